@@ -1,1 +1,28 @@
 """hifigrad: high-fidelity (float32) gradients for JAX models computed in bf16, fp16 or fp8."""
+
+from importlib import metadata as _metadata
+
+from ._src.api import grad as grad
+from ._src.api import precise_backward as precise_backward
+from ._src.api import value_and_grad as value_and_grad
+from ._src.api import vjp as vjp
+from ._src.interpreter import UnsupportedPrimitiveError as UnsupportedPrimitiveError
+from ._src.policy import Policy as Policy
+from ._src.rules import promote_rule as promote_rule
+from ._src.rules import register_rule as register_rule
+
+try:
+    __version__ = _metadata.version("hifigrad")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "Policy",
+    "UnsupportedPrimitiveError",
+    "grad",
+    "precise_backward",
+    "promote_rule",
+    "register_rule",
+    "value_and_grad",
+    "vjp",
+]

@@ -1,0 +1,274 @@
+"""Every touch of JAX internals (`jax._src`) and every JAX-version difference lives here.
+
+hifigrad supports jax 0.10.2 (Python 3.11) through 0.12.x (Python 3.12). JAX 0.11 merged
+`ClosedJaxpr` into `Jaxpr` (a jaxpr now carries its own consts) and replaced scan's
+`num_consts`/`num_carry` params with flat-tree descriptors (`ft_in`/`ft_out`); JAX 0.12 changed the
+protocol of a `custom_vjp` backward rule seen at transpose time (it returns `(cts, logs)`). The rest
+of hifigrad sees one interface, defined here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
+import numpy as np
+from jax._src import core as _core
+from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+from jax._src import linear_util as _lu
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+JAXPR_HOLDS_CONSTS = JAX_VERSION >= (0, 11)
+
+Literal = _core.Literal
+Var = _core.Var
+DropVar = _core.DropVar
+Primitive = _core.Primitive
+ShapedArray = _core.ShapedArray
+
+
+# --------------------------------------------------------------------------------------------
+# Primitives, looked up once. A missing one (renamed in some JAX version) is None.
+# --------------------------------------------------------------------------------------------
+
+def _find(module_path: str, name: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module_path), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+scan_p = _find("jax._src.lax.control_flow.loops", "scan_p")
+while_p = _find("jax._src.lax.control_flow.loops", "while_p")
+cond_p = _find("jax._src.lax.control_flow.conditionals", "cond_p")
+pjit_p = _find("jax._src.pjit", "jit_p") or _find("jax._src.pjit", "pjit_p")
+remat_p = _find("jax._src.ad_checkpoint", "remat_p")
+custom_jvp_call_p = _find("jax._src.custom_derivatives", "custom_jvp_call_p")
+custom_vjp_call_p = _find("jax._src.custom_derivatives", "custom_vjp_call_p")
+custom_lin_p = _ad.custom_lin_p
+linear_call_p = _find("jax._src.custom_derivatives", "linear_call_p")
+linear_solve_p = _find("jax._src.lax.control_flow.solves", "linear_solve_p")
+shard_map_p = _find("jax._src.shard_map", "shard_map_p")
+pure_callback_p = _find("jax._src.callback", "pure_callback_p")
+io_callback_p = _find("jax._src.callback", "io_callback_p")
+debug_callback_p = _find("jax._src.debugging", "debug_callback_p")
+add_jaxvals_p = _ad.add_jaxvals_p
+sharding_constraint_p = _find("jax._src.pjit", "sharding_constraint_p")
+mesh_cast_p = _find("jax._src.pjit", "mesh_cast_p")
+reshard_p = _find("jax._src.pjit", "reshard_p")
+device_put_p = _find("jax._src.dispatch", "device_put_p")
+copy_p = _find("jax._src.lax.lax", "copy_p")
+optimization_barrier_p = _find("jax._src.lax.lax", "optimization_barrier_p")
+select_and_gather_add_p = _find("jax._src.lax.windowed_reductions", "select_and_gather_add_p")
+select_and_scatter_add_p = _find("jax._src.lax.windowed_reductions", "select_and_scatter_add_p")
+reduce_window_sum_p = _find("jax._src.lax.windowed_reductions", "reduce_window_sum_p")
+cumsum_p = _find("jax._src.lax.control_flow.loops", "cumsum_p") or _find(
+    "jax._src.lax.other", "cumsum_p")
+psum_p = _find("jax._src.lax.parallel", "psum_p")
+pvary_p = _find("jax._src.lax.parallel", "pvary_p")
+pcast_p = _find("jax._src.lax.parallel", "pcast_p")
+pbroadcast_p = _find("jax._src.lax.parallel", "pbroadcast_p")
+
+
+def primitives_named(names: Sequence[str]) -> list[Primitive]:
+    """The `jax.lax` primitives among `names` (as `<name>_p` attributes); missing ones skipped."""
+    out = []
+    for n in names:
+        p = getattr(jax.lax, n + "_p", None)
+        if p is None:
+            for mod in ("jax._src.lax.lax", "jax._src.lax.parallel", "jax._src.lax.slicing",
+                        "jax._src.lax.special", "jax._src.lax.control_flow.loops",
+                        "jax._src.lax.windowed_reductions", "jax._src.lax.convolution",
+                        "jax._src.lax.other", "jax._src.lax.ann"):
+                p = _find(mod, n + "_p")
+                if p is not None:
+                    break
+        if p is not None:
+            out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Jaxprs
+# --------------------------------------------------------------------------------------------
+
+def jaxpr_and_consts(j) -> tuple[Any, list]:
+    """Splits a (closed) jaxpr as held in an equation's params into (jaxpr, consts).
+
+    Works for 0.10's `ClosedJaxpr` and open `Jaxpr`, and for 0.11+'s `Jaxpr` with consts.
+    """
+    consts = getattr(j, "consts", None)
+    if consts is None:
+        return j, []
+    return j.jaxpr, list(consts)
+
+
+def is_literal(v) -> bool:
+    return isinstance(v, Literal)
+
+
+def is_dropvar(v) -> bool:
+    return isinstance(v, DropVar)
+
+
+def aval_of(x):
+    return _core.get_aval(x)
+
+
+def eqn_context(eqn):
+    """The context manager that eval_jaxpr uses to bind an equation: its source info and ctx."""
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    stack = contextlib.ExitStack()
+    stack.enter_context(_source_info_util.user_context(eqn.source_info.traceback,
+                                                       name_stack=name_stack))
+    stack.enter_context(eqn.ctx.manager)
+    return stack
+
+
+def bind_eqn(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
+    """Binds `eqn`'s primitive on `invals` (params overridable) as `core.eval_jaxpr` does."""
+    params = eqn.params if params is None else params
+    bind_params = eqn.primitive.get_bind_params(params)
+    with eqn_context(eqn):
+        ans = eqn.primitive.bind(*invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def scan_split(eqn) -> tuple[int, int]:
+    """(num_consts, num_carry) of a scan equation."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
+def scan_num_ys(eqn) -> int:
+    _, num_carry = scan_split(eqn)
+    return len(eqn.outvars) - num_carry
+
+
+def make_jaxpr_closed(fun: Callable, *avals_or_args) -> tuple[Any, list, Any]:
+    """Traces `fun` to (jaxpr, consts, out_tree) with explicit consts, on any JAX version."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals_or_args)
+    jaxpr, consts = jaxpr_and_consts(closed)
+    return jaxpr, consts, jax.tree_util.tree_structure(out_shape)
+
+
+# --------------------------------------------------------------------------------------------
+# custom_vjp backward rules seen at transpose time (custom_lin)
+# --------------------------------------------------------------------------------------------
+
+BWD_RETURNS_LOGS = JAX_VERSION >= (0, 12)
+
+
+def custom_lin_call_bwd(bwd, res: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+    """Calls a custom_lin `bwd` param on (res, cts) and returns dense input cotangents.
+
+    Symbolic zeros returned by the rule are instantiated (using `avals` is not needed: the rule's
+    zeros carry their aval).
+    """
+    out = bwd.call_wrapped(*res, *cts)
+    if BWD_RETURNS_LOGS:
+        out, _logs = out
+    out = [_ad.replace_rule_output_symbolic_zeros(c) for c in out]
+    return [_ad.instantiate_zeros(c) if isinstance(c, _ad.Zero) else c for c in out]
+
+
+def wrap_bwd(fn: Callable, like) -> Any:
+    """Wraps `fn(*res, *cts) -> cts_in` as a custom_lin `bwd` param (a WrappedFun)."""
+    if BWD_RETURNS_LOGS:
+        inner = fn
+
+        def fn(*args):  # noqa: F811
+            return inner(*args), None
+
+    return _lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def custom_lin_bind(invals: Sequence[Any], params: dict) -> list[Any]:
+    return list(custom_lin_p.bind(*invals, **params))
+
+
+def instantiate_zeros(x):
+    return _ad.instantiate_zeros(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Defining hifigrad's own primitives
+# --------------------------------------------------------------------------------------------
+
+def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
+    p = jax.extend.core.Primitive(name)
+    p.multiple_results = multiple_results
+    return p
+
+
+def register_impl_and_lowering(p: Primitive, impl: Callable, abstract_eval: Callable) -> None:
+    """`impl` is a JAX-traceable function; it serves as both eager impl and MLIR lowering."""
+    p.def_impl(impl)
+    p.def_abstract_eval(abstract_eval)
+    _mlir.register_lowering(p, _mlir.lower_fun(impl, multiple_results=p.multiple_results))
+
+
+def register_jvp(p: Primitive, rule: Callable) -> None:
+    _ad.primitive_jvps[p] = rule
+
+
+def register_transpose(p: Primitive, rule: Callable) -> None:
+    _ad.primitive_transposes[p] = rule
+
+
+def register_batching(p: Primitive, rule: Callable) -> None:
+    _batching.primitive_batchers[p] = rule
+
+
+def is_undefined_primal(x) -> bool:
+    return _ad.is_undefined_primal(x)
+
+
+def register_staged_partial_eval(p: Primitive) -> None:
+    """Makes `p` always land on the unknown (staged) side of partial evaluation.
+
+    Used for the upcast of residuals: staging it keeps the low-precision residual as what is saved
+    (and, inside a scan, what is stacked), with the cast recomputed where it is consumed.
+    """
+
+    def rule(trace, *tracers, **params):
+        tracers = [trace.instantiate_const(t) for t in tracers]
+        return trace.default_process_primitive(p, tracers, params)
+
+    _pe.custom_partial_eval_rules[p] = rule
+
+    def custom_rule(saveable, unks_in, inst_in, eqn):
+        del saveable
+        # Known inputs: the eqn still goes to the staged side, its inputs become residuals.
+        res = [v for v, uk, inst in zip(eqn.invars, unks_in, inst_in)
+               if not uk and not inst and not is_literal(v)]
+        return None, eqn, [True] * len(eqn.outvars), [True] * len(eqn.outvars), res
+
+    _pe.partial_eval_jaxpr_custom_rules[p] = custom_rule
+
+
+def ensure_tuple(x):
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_is_float0(dtype) -> bool:
+    return np.dtype(dtype) == jax.dtypes.float0
+
+
+CustomVJPException = _ad.CustomVJPException
+custom_derivatives = _custom_derivatives

@@ -1,0 +1,207 @@
+"""A jaxpr interpreter that re-runs a program with some values *promoted*.
+
+A value is promoted when it derives from a cotangent (or tangent): it is then held in
+``promoted_dtype(original dtype, tangent dtype)`` instead of its original dtype. The interpreter
+evaluates a jaxpr equation by equation on the current trace (so whoever calls it, `make_jaxpr`,
+`jit`, `linear_transpose`, traces the promoted program). An equation none of whose inputs is
+promoted is bound unchanged: residual and forward computations keep their own dtype. An equation
+with a promoted input goes to its rule, looked up by primitive in a `RuleTable`:
+``rule(interp, eqn, invals, inflags) -> (outvals, outflags)``. Control-flow rules re-trace through
+JAX's public API (`lax.scan`, `lax.while_loop`, `lax.switch`, `jax.checkpoint`), which keeps
+hifigrad independent of each JAX version's equation params; loops find which carries are promoted
+with a fixpoint over the body (`Interpreter.flags`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from . import compat
+from .dtypes import promoted_dtype
+from .policy import Policy
+from .primitives import upcast
+
+__all__ = ["Interpreter", "RuleTable", "UnsupportedPrimitiveError"]
+
+Rule = Callable[["Interpreter", Any, list, list], tuple[list, list]]
+FlagRule = Callable[["Interpreter", Any, list], list]
+
+
+class UnsupportedPrimitiveError(NotImplementedError):
+    """A cotangent reaches a primitive that hifigrad has no rule for."""
+
+
+@dataclasses.dataclass
+class RuleTable:
+    """Rules keyed by primitive. `flag_rules` say which outputs a rule promotes (default: all
+    floating outputs when any input is promoted); `always` lists primitives whose rule runs even
+    when no input is promoted (control flow, for passes that must reach inside)."""
+
+    rules: dict = dataclasses.field(default_factory=dict)
+    flag_rules: dict = dataclasses.field(default_factory=dict)
+    always: set = dataclasses.field(default_factory=set)
+
+    def register(self, prims, rule: Rule, flag_rule: FlagRule | None = None) -> None:
+        for p in prims if isinstance(prims, (list, tuple, set)) else [prims]:
+            if p is None:
+                continue
+            self.rules[p] = rule
+            if flag_rule is not None:
+                self.flag_rules[p] = flag_rule
+
+    def copy(self) -> RuleTable:
+        return RuleTable(dict(self.rules), dict(self.flag_rules), set(self.always))
+
+
+_warned: set[str] = set()
+
+
+def _is_float_aval(aval) -> bool:
+    dt = getattr(aval, "dtype", None)
+    return dt is not None and jax.numpy.issubdtype(dt, jax.numpy.floating)
+
+
+class Interpreter:
+    """Evaluates jaxprs with promotion. One instance per transform call (it caches analyses)."""
+
+    def __init__(self, policy: Policy, table: RuleTable):
+        self.policy = policy
+        self.table = table
+        self._flag_cache: dict = {}
+
+    # ---------------------------------------------------------------- dtypes
+    def up(self, dtype):
+        return promoted_dtype(np.dtype(dtype), self.policy.tangent_dtype)
+
+    def cast_up(self, x, flagged: bool = False):
+        """`x` in its promoted dtype. Unpromoted values (residuals) use the staged `upcast`."""
+        dt = np.dtype(x.dtype)
+        target = self.up(dt)
+        if target == dt:
+            return x
+        if flagged or not isinstance(x, jax.core.Tracer):
+            return lax.convert_element_type(x, target)
+        return upcast(x, target)
+
+    def cast_like(self, x, aval):
+        """Casts `x` (possibly promoted) back to the dtype of `aval`."""
+        if np.dtype(x.dtype) == np.dtype(aval.dtype):
+            return x
+        return lax.convert_element_type(x, aval.dtype)
+
+    # ---------------------------------------------------------------- evaluation
+    def eval(self, jaxpr, consts: Sequence, args: Sequence, flags: Sequence[bool]):
+        """Evaluates `jaxpr` on `consts + args`; `flags` mark promoted args. Returns
+        `(outs, out_flags)`."""
+        env: dict = {}
+        fenv: dict = {}
+
+        def read(v):
+            if compat.is_literal(v):
+                return v.val, False
+            return env[v], fenv[v]
+
+        def write(v, val, flag):
+            if compat.is_dropvar(v):
+                return
+            env[v] = val
+            fenv[v] = bool(flag) and _is_float_aval(v.aval)
+
+        for v, c in zip(jaxpr.constvars, consts):
+            write(v, c, False)
+        assert len(jaxpr.invars) == len(args) == len(flags), (
+            len(jaxpr.invars), len(args), len(flags))
+        for v, a, f in zip(jaxpr.invars, args, flags):
+            write(v, a, f)
+
+        table = self.table
+        for eqn in jaxpr.eqns:
+            invals, inflags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+            invals, inflags = list(invals), list(inflags)
+            prim = eqn.primitive
+            if any(inflags) or prim in table.always:
+                rule = table.rules.get(prim)
+                if rule is None:
+                    if not any(inflags):
+                        outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
+                    else:
+                        outs, oflags = self.unsupported(eqn, invals, inflags)
+                else:
+                    outs, oflags = rule(self, eqn, invals, inflags)
+            else:
+                outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
+            for v, o, f in zip(eqn.outvars, outs, oflags):
+                write(v, o, f)
+        outs = [read(v) for v in jaxpr.outvars]
+        return [o for o, _ in outs], [f for _, f in outs]
+
+    def eval_closed(self, closed, args, flags):
+        jaxpr, consts = compat.jaxpr_and_consts(closed)
+        return self.eval(jaxpr, consts, args, flags)
+
+    # ---------------------------------------------------------------- flag analysis
+    def flags(self, closed_or_jaxpr, in_flags: Sequence[bool]) -> list[bool]:
+        """Which outputs of a jaxpr are promoted, given which inputs are (no tracing)."""
+        jaxpr, _ = compat.jaxpr_and_consts(closed_or_jaxpr)
+        key = (id(jaxpr), tuple(bool(f) for f in in_flags))
+        hit = self._flag_cache.get(key)
+        if hit is not None:
+            return hit[1]
+        fenv: dict = {}
+
+        def read(v):
+            return False if compat.is_literal(v) else fenv.get(v, False)
+
+        for v, f in zip(jaxpr.invars, in_flags):
+            fenv[v] = bool(f) and _is_float_aval(v.aval)
+        for eqn in jaxpr.eqns:
+            inflags = [read(v) for v in eqn.invars]
+            if not any(inflags) and eqn.primitive not in self.table.always:
+                continue
+            frule = self.table.flag_rules.get(eqn.primitive)
+            if frule is not None:
+                oflags = frule(self, eqn, inflags)
+            else:
+                oflags = [any(inflags)] * len(eqn.outvars)
+            for v, f in zip(eqn.outvars, oflags):
+                if not compat.is_dropvar(v):
+                    fenv[v] = bool(f) and _is_float_aval(v.aval)
+        out = [read(v) for v in jaxpr.outvars]
+        self._flag_cache[key] = (jaxpr, out)  # keep jaxpr alive so its id stays unique
+        return out
+
+    # ---------------------------------------------------------------- unsupported primitives
+    def unsupported(self, eqn, invals, inflags):
+        name = eqn.primitive.name
+        if self.policy.unsupported == "error":
+            raise UnsupportedPrimitiveError(
+                f"hifigrad has no rule for the primitive '{name}', and a cotangent flows through "
+                f"it here, so its backward cannot be run in {self.policy.tangent_dtype}. Pass "
+                f"policy=hifigrad.Policy(unsupported='fallback') to run '{name}' at its own dtype "
+                f"(with casts at its edges), or register a rule with "
+                f"hifigrad.register_rule.")
+        return self.fallback(eqn, invals, inflags, warn=True)
+
+    def fallback(self, eqn, invals, inflags, warn: bool = False):
+        """Runs `eqn` at its declared dtypes: promoted inputs are cast back, outputs cast up."""
+        name = eqn.primitive.name
+        if warn and name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"hifigrad: no rule for primitive '{name}'; running it at its own dtype with "
+                f"casts at its edges (Policy(unsupported='fallback')). Values through it are "
+                f"rounded to that dtype.", stacklevel=2)
+        args = [self.cast_like(x, v.aval) if f else x
+                for x, v, f in zip(invals, eqn.invars, inflags)]
+        outs = compat.bind_eqn(eqn, args)
+        flagged = any(inflags)
+        outs = [self.cast_up(o, flagged=True) if flagged and _is_float_aval(v.aval) else o
+                for o, v in zip(outs, eqn.outvars)]
+        return outs, [flagged] * len(outs)
