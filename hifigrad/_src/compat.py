@@ -76,9 +76,21 @@ reduce_window_sum_p = _find("jax._src.lax.windowed_reductions", "reduce_window_s
 cumsum_p = _find("jax._src.lax.control_flow.loops", "cumsum_p") or _find(
     "jax._src.lax.other", "cumsum_p")
 psum_p = _find("jax._src.lax.parallel", "psum_p")
-pvary_p = _find("jax._src.lax.parallel", "pvary_p")
+pvary_p = _find("jax._src.lax.parallel", "pvary_p") or _find("jax._src.core", "pvary_p")
 pcast_p = _find("jax._src.lax.parallel", "pcast_p")
 pbroadcast_p = _find("jax._src.lax.parallel", "pbroadcast_p")
+
+
+from jax._src.shard_map import shard_map as _shard_map  # noqa: E402
+
+
+def shard_map_call(fun: Callable, params: dict, args: Sequence[Any]) -> list[Any]:
+    """Re-traces a shard_map equation's body `fun` with the equation's mesh and specs."""
+    sm = _shard_map(fun, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
+                    out_specs=tuple(params["out_specs"]),
+                    axis_names=frozenset(params.get("newly_manual_axes", frozenset())),
+                    check_vma=params.get("check_vma", True))
+    return list(sm(*args))
 
 
 def primitives_named(names: Sequence[str]) -> list[Primitive]:
@@ -90,7 +102,8 @@ def primitives_named(names: Sequence[str]) -> list[Primitive]:
             for mod in ("jax._src.lax.lax", "jax._src.lax.parallel", "jax._src.lax.slicing",
                         "jax._src.lax.special", "jax._src.lax.control_flow.loops",
                         "jax._src.lax.windowed_reductions", "jax._src.lax.convolution",
-                        "jax._src.lax.other", "jax._src.lax.ann"):
+                        "jax._src.lax.other", "jax._src.lax.ann", "jax._src.lax.linalg",
+                        "jax._src.core"):
                 p = _find(mod, n + "_p")
                 if p is not None:
                     break

@@ -198,6 +198,19 @@ def remat_rule(interp: Interpreter, eqn, invals, inflags):
     return list(outs), out_f
 
 
+def shard_map_rule(interp: Interpreter, eqn, invals, inflags):
+    j = eqn.params["jaxpr"]
+    out_f = interp.flags(j, inflags)
+
+    def body(*args):
+        outs, oflags = interp.eval_closed(j, list(args), inflags)
+        return tuple(_cast_to_flags(interp, outs, oflags, out_f))
+
+    with compat.eqn_context(eqn):
+        outs = compat.shard_map_call(body, eqn.params, invals)
+    return outs, out_f
+
+
 def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
     """A user `custom_vjp` backward. Its rule is traced at the dtypes JAX declares (cotangent in
     the primal's dtype), which keeps the user's code type-correct, then promoted: the cotangent
@@ -239,6 +252,40 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
     return outs, [True] * len(outs)
 
 
+def linear_solve_rule(interp: Interpreter, eqn, invals, inflags):
+    """`custom_linear_solve`: re-traced through `lax.custom_linear_solve` with each of its
+    functions (matvec, solve, transpose_solve) evaluated by the interpreter."""
+    lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+    names = ("matvec", "vecmat", "solve", "transpose_solve")
+    groups, flag_groups, i = {}, {}, 0
+    for n in names:
+        k = getattr(lengths, n)
+        groups[n], flag_groups[n] = invals[i:i + k], inflags[i:i + k]
+        i += k
+    b, b_f = invals[i:], inflags[i:]
+    b = [interp.cast_up(x, f) if _floating(x) else x for x, f in zip(b, b_f)]
+
+    def as_fun(name):
+        j = getattr(jaxprs, name)
+
+        def fun(x):
+            x = list(x)
+            outs, oflags = interp.eval_closed(
+                j, [*groups[name], *x], [*flag_groups[name], *([True] * len(x))])
+            return [interp.cast_up(o, True) if _floating(o) else o for o in outs]
+        return fun
+
+    matvec = as_fun("matvec")
+    solve = as_fun("solve")
+    symmetric = jaxprs.vecmat is jaxprs.matvec
+    tr = None if jaxprs.transpose_solve is None else as_fun("transpose_solve")
+    with compat.eqn_context(eqn):
+        out = lax.custom_linear_solve(
+            matvec, list(b), lambda _mv, x: solve(x),
+            None if tr is None else (lambda _vm, x: tr(x)), symmetric=symmetric)
+    return list(out), [True] * len(out)
+
+
 def _floating_aval(a) -> bool:
     return jax.numpy.issubdtype(getattr(a, "dtype", np.int32), jax.numpy.floating)
 
@@ -273,7 +320,7 @@ ELEMENTWISE = [
     "neg", "add", "sub", "mul", "div", "rem", "max", "min", "abs", "sign", "floor", "ceil",
     "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
     "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
-    "cbrt", "pow", "integer_pow", "square", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "cbrt", "pow", "integer_pow", "square", "one_minus_square", "erf", "erfc", "erf_inv", "lgamma", "digamma",
     "is_finite", "nextafter", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp",
     "reduce_precision", "real", "imag", "conj", "complex", "copy", "copy_p", "stop_gradient",
 ]
@@ -286,13 +333,16 @@ STRUCTURAL = [
     "select_and_scatter_add", "dot_general", "conv_general_dilated", "ragged_dot",
     "ragged_dot_general", "reduce_and", "reduce_or", "reduce_xor",
 ]
+LINALG = ["triangular_solve", "cholesky", "lu", "qr", "householder_product", "eigh", "svd",
+          "tridiagonal_solve", "schur", "eig"]
 COLLECTIVES = [
     "psum", "pmax", "pmin", "all_gather", "ppermute", "psum_scatter", "reduce_scatter",
     "all_to_all", "pbroadcast", "pvary", "pcast", "psum_invariant", "axis_index",
+    "psum2", "unreduced_psum", "vary_unreduced_cast", "reduced_vary_cast",
 ]
 
 PROMOTE = RuleTable()
-PROMOTE.register(compat.primitives_named(ELEMENTWISE + STRUCTURAL + COLLECTIVES), promote_rule)
+PROMOTE.register(compat.primitives_named(ELEMENTWISE + STRUCTURAL + LINALG + COLLECTIVES), promote_rule)
 PROMOTE.register([compat.add_jaxvals_p, compat.sharding_constraint_p, compat.mesh_cast_p,
                   compat.reshard_p, compat.device_put_p, compat.optimization_barrier_p,
                   compat.debug_callback_p, compat.copy_p, compat.select_and_gather_add_p,
@@ -310,6 +360,8 @@ PROMOTE.register([compat.pjit_p, compat.custom_jvp_call_p, compat.custom_vjp_cal
                  inline_rule, call_flags)
 PROMOTE.register(compat.remat_p, remat_rule, call_flags)
 PROMOTE.register(compat.custom_lin_p, custom_lin_rule)
+PROMOTE.register(compat.linear_solve_p, linear_solve_rule)
+PROMOTE.register(compat.shard_map_p, shard_map_rule, call_flags)
 PROMOTE.register([compat.pure_callback_p, compat.io_callback_p], callback_rule)
 
 
