@@ -156,7 +156,7 @@ def _():
     def f(x, g):
         m = x.mean(-1, keepdims=True)
         v = ((x - m) ** 2).mean(-1, keepdims=True)
-        return _sum(((x - m) * lax.rsqrt(v + 1e-5) * g) ** 2 * jnp.arange(8, dtype=x.dtype))
+        return _sum(((x - m) * lax.rsqrt(v + 1e-5) * g[None]) ** 2 * jnp.arange(8, dtype=x.dtype)[None])
     return f, _args(((3, 8), 22, 1.0), ((8,), 23, 1.0))
 
 
@@ -430,7 +430,7 @@ def _():
             y = jnp.tanh(x @ w)
             s = lax.psum(y.sum(0), "d")
             g = lax.all_gather(y, "d", tiled=True)
-            return g * s
+            return g * s[None]
 
         sm = _shard_map(local, mesh, (P("d"), P()), P("d"))
         return _sum(sm(x, w) ** 2)
@@ -498,7 +498,7 @@ def _():
 def _():
     def f(params, idx):
         w, b = params["w"], params["b"]
-        return _sum(jnp.take(w, idx, axis=0) * b)
+        return _sum(jnp.take(w, idx, axis=0) * b[None])
 
     def make(dtype):
         return ({"w": _arr((5, 3), dtype, 68), "b": _arr((3,), dtype, 69)},
@@ -528,7 +528,8 @@ def _():
     model = MLP()
 
     def f(params, x):
-        return _sum(model.apply(params, x) ** 2)
+        with jax.numpy_dtype_promotion("standard"):  # Flax mixes dtypes implicitly
+            return _sum(model.apply(params, x) ** 2)
 
     def make(dtype):
         x = _arr((3, 8), jnp.float32, 71)
@@ -571,13 +572,14 @@ def _():
 
     def f(w, x):
         opt = optax.adamw(1e-2)
-        state = opt.init(w)
 
         def loss(w):
             return jnp.sum(jnp.tanh(x @ w) ** 2)
-        g = jax.grad(loss)(w)
-        upd, _ = opt.update(g, state, w)
-        w2 = optax.apply_updates(w, upd)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes dtypes implicitly
+            state = opt.init(w)
+            g = jax.grad(loss)(w)
+            upd, _ = opt.update(g, state, w)
+            w2 = optax.apply_updates(w, upd)
         return _sum(jnp.tanh(x @ w2))
     return f, _args(((4, 4), 73, 0.5), ((2, 4), 74, 1.0))
 

@@ -46,13 +46,10 @@ CODECS = [
     FP8Codec("e4m3"),
     FP8Codec("e5m2"),
     FP8Codec("e4m3", scaling="row"),
-    FP8Codec("e5m2", scaling="row"),
     DelayedFP8Codec("e4m3"),
-    DelayedFP8Codec("e5m2"),
     IntCodec(8),
     IntCodec(4),
     IntCodec(2),
-    IntCodec(8, stochastic=True),
     IntCodec(4, group_size=128, stochastic=False),
     IntCodec(2, group_size=64, stochastic=False),
 ]
@@ -72,12 +69,13 @@ def _encode(codec, x, **kw):
     if isinstance(codec, DelayedFP8Codec):
         state = codec.init_state()
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
-            state = codec.update_state(state, jnp.max(jnp.abs(x.astype(jnp.float32))))
+            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), initial=np.float32(0))
+            state = codec.update_state(state, amax)
         return codec.encode(x, state=state, **kw)
     return codec.encode(x, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _codec_fns(codec, transform, dtype):
     """``encode(x, key)`` and ``decode(enc)`` wrapped by ``transform`` (`maybe_jit`).
 
@@ -446,7 +444,7 @@ def test_stochastic_rounding_is_unbiased(bits, maybe_jit):
     assert np.min(rtn_bias[:, 1:]) >= 0.3 * s - 1e-6 > t  # the test can tell the difference
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 2])  # int4 shares the code path (see the unbiased test)
 def test_stochastic_rounding_keys(bits, maybe_jit):
     codec = IntCodec(bits, stochastic=True)
     x = _normal(7)
@@ -482,11 +480,38 @@ def test_vmap_and_leading_axes(codec, maybe_jit):
             np.testing.assert_array_equal(a, b[i])
         np.testing.assert_array_equal(decs[i], codec.decode(enc_i, jnp.float32))
     # Encodings stacked along leading axes (vmap, scan) also decode outside the transform.
-    np.testing.assert_array_equal(maybe_jit(lambda e: codec.decode(e, jnp.float32))(encs), decs)
+    np.testing.assert_array_equal(codec.decode(encs, jnp.float32), decs)
+
+
+def test_residual_of_custom_vjp_in_scan(maybe_jit):
+    """The intended use: a custom_vjp saves ``encode(x)`` and its bwd decodes it, in a scan."""
+    codec = IntCodec(4)  # stochastic, default key: the dither is a pure function of x
+
+    @jax.custom_vjp
+    def square(x):
+        return x * x
+
+    def fwd(x):
+        return x * x, codec.encode(x)
+
+    def bwd(enc, g):
+        return (np.float32(2) * codec.decode(enc, g.dtype) * g,)
+
+    square.defvjp(fwd, bwd)
+
+    def loss(xs):
+        body = lambda c, x: (c + jnp.sum(square(x)), None)
+        return jax.lax.scan(body, jnp.float32(0), xs)[0]
+
+    xs = _normal(10, (3,) + SHAPE)
+    grads = maybe_jit(jax.grad(loss))(xs)
+    for i in range(3):  # d/dx sum(x**2) = 2 x, up to twice the codec's error on x
+        err = np.abs(np.asarray(grads[i], np.float64) - 2 * np.asarray(xs[i], np.float64))
+        assert np.all(err <= 2 * _error_bound(codec, codec.encode(xs[i]), xs[i]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("codec", [BF16Codec(), FP8Codec(), IntCodec(8), IntCodec(4)], ids=_id)
+@pytest.mark.parametrize("codec", [BF16Codec(), FP8Codec(), IntCodec(4)], ids=_id)
 def test_low_precision_inputs(codec, dtype, maybe_jit):
     x = _normal(9).astype(dtype)
     enc, dec = _roundtrip(codec, x, maybe_jit, dtype=dtype)
@@ -543,8 +568,8 @@ def test_constructor_errors():
 
 
 def test_encoded_is_a_pytree():
-    enc = IntCodec(4).encode(jnp.ones((2, 64), jnp.float32))
-    assert isinstance(enc, Encoded) and enc.shape == (2, 64)
+    enc = IntCodec(4).encode(jnp.ones(SHAPE, jnp.float32))
+    assert isinstance(enc, Encoded) and enc.shape == SHAPE
     leaves, treedef = jax.tree.flatten(enc)
     assert len(leaves) == 2  # data and scale; amax is None
     rebuilt = jax.tree.unflatten(treedef, leaves)

@@ -354,7 +354,7 @@ def _precise_fwd(fun_flat, policy, args):
 
 def _precise_bwd(fun_flat, policy, vjp_fn, cts):
     del fun_flat, policy
-    cts_in = vjp_fn(list(cts))[0]
+    cts_in = vjp_fn(list(cts))
     info: _VjpInfo = vjp_fn.func.args[0]
     # JAX requires each cotangent in its input's dtype at this boundary.
     return (tuple(lax.convert_element_type(c, a.dtype) if _is_diff(c) else c

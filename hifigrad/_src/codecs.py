@@ -61,12 +61,21 @@ For `IntCodec` the ratio is ``bits/32 + 1/(2 * group_size)`` (one 2-byte scale p
 and 0.09 (int2) with room to spare; see `IntCodec`.
 
 Non-finite values are never hidden: a NaN or inf in ``x`` makes the scale of its group (its
-row, or the whole tensor, for fp8) NaN, so the whole group decodes to NaN.
+row, or the whole tensor, for fp8) NaN, so the whole group decodes to NaN (``none`` and
+``bf16`` keep NaN and inf as they are).
+
+Implementation notes: the fp8 and int kernels each run as one nested `jax.jit` keyed by the
+(hashable) codec, so eager calls compile once per codec and shape rather than once per
+operation. Divisions by constants are written as multiplications by the reciprocal (XLA
+rewrites them so under jit anyway), which makes results bit-identical eagerly, under jit and
+under vmap. Scales are floored at the smallest normal float32, because XLA on CPU flushes
+subnormals to zero and ``x / 0`` would be inf.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -214,7 +223,8 @@ def _batch_shape(leaf: Array, trailing: tuple[int, ...], what: str) -> tuple[int
     nb = leaf.ndim - len(trailing)
     if nb < 0 or tuple(leaf.shape[nb:]) != tuple(trailing):
         raise ValueError(
-            f"Encoded {what} has shape {leaf.shape}, expected (..., {', '.join(map(str, trailing))})."
+            f"Encoded {what} has shape {leaf.shape}, expected any leading axes followed by "
+            f"{tuple(trailing)}."
         )
     return tuple(leaf.shape[:nb])
 
@@ -240,14 +250,11 @@ def _current_scale(amax: Array, fmax: np.float32) -> Array:
 
 
 def _fp8_decode(enc: Encoded, dtype: DTypeLike, scale_trailing: tuple[int, ...]) -> Array:
+    """``data * scale`` in ``dtype``; the scale broadcasts over the trailing axes it lacks."""
     shape = tuple(enc.shape)
-    batch = _batch_shape(enc.data, shape, "data")
-    _batch_shape(enc.scale, scale_trailing, "scale")
     scale = enc.scale.astype(jnp.float32)
     scale = scale.reshape(scale.shape + (1,) * (len(shape) - len(scale_trailing)))
-    out = enc.data.astype(jnp.float32) * scale
-    assert out.shape == batch + shape
-    return out.astype(dtype)
+    return (enc.data.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _bf16_scale(absmax: Array, qmax: int) -> Array:
@@ -326,6 +333,19 @@ def _unpack(packed: Array, bits: int) -> Array:
 
 def _prod(shape: Sequence[int]) -> int:
     return math.prod(int(d) for d in shape)
+
+
+# The quantizing codecs run their (validated) kernels as one jitted function each, keyed by the
+# hashable codec: eagerly that is one compile per codec and shape instead of one per operation;
+# inside an outer jit, vmap or scan it is inlined like any nested jit.
+@functools.partial(jax.jit, static_argnums=0)
+def _encode_kernel(codec: Any, x: Array, key: Any, state: Any) -> Encoded:
+    return codec._encode(x, key, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _decode_kernel(codec: Any, enc: Encoded, dtype: np.dtype) -> Array:
+    return codec._decode(enc, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +438,9 @@ class FP8Codec:
 
     def __post_init__(self):
         if self.fmt not in _FP8_DTYPES:
-            raise ValueError(f"FP8Codec: fmt must be one of {sorted(_FP8_DTYPES)}, got {self.fmt!r}.")
+            raise ValueError(
+                f"FP8Codec: fmt must be one of {sorted(_FP8_DTYPES)}, got {self.fmt!r}."
+            )
         if self.scaling not in _SCALINGS:
             raise ValueError(f"FP8Codec: scaling must be one of {_SCALINGS}, got {self.scaling!r}.")
 
@@ -440,7 +462,10 @@ class FP8Codec:
     def encode(self, x: Array, *, key: Array | None = None) -> Encoded:
         """Quantizes ``x`` to fp8 with a scale computed from ``x`` (``key`` is ignored)."""
         del key
-        x = _as_float_array(x, self.name)
+        return _encode_kernel(self, _as_float_array(x, self.name), None, None)
+
+    def _encode(self, x: Array, key: None, state: None) -> Encoded:
+        del key, state
         dtype = _FP8_DTYPES[self.fmt]
         x32 = x.astype(jnp.float32)
         abs_x = jnp.abs(x32)
@@ -458,6 +483,12 @@ class FP8Codec:
         """Returns ``data * scale`` in ``dtype``."""
         dtype = _check_float_dtype(dtype, f"{self.name}.decode")
         enc = _check_encoded(enc, self._layout, self.name)
+        scale_shape = self._scale_shape(tuple(enc.shape))
+        _batch_shape(enc.data, tuple(enc.shape), "data")
+        _batch_shape(enc.scale, scale_shape, "scale")
+        return _decode_kernel(self, enc, dtype)
+
+    def _decode(self, enc: Encoded, dtype: np.dtype) -> Array:
         return _fp8_decode(enc, dtype, self._scale_shape(tuple(enc.shape)))
 
     def nbytes(self, shape: Sequence[int], dtype: DTypeLike) -> int:
@@ -572,6 +603,10 @@ class DelayedFP8Codec:
                 "codec.update_state(...). Use FP8Codec for stateless (current) scaling."
             )
         x = _as_float_array(x, self.name)
+        return _encode_kernel(self, x, None, dict(state))
+
+    def _encode(self, x: Array, key: None, state: Mapping[str, Array]) -> Encoded:
+        del key
         x32 = x.astype(jnp.float32)
         amax = jnp.max(jnp.abs(x32), initial=np.float32(0))
         scale = jnp.where(jnp.isfinite(amax), self._state_scale(state), _NAN)
@@ -582,6 +617,11 @@ class DelayedFP8Codec:
         """Returns ``data * scale`` in ``dtype``."""
         dtype = _check_float_dtype(dtype, f"{self.name}.decode")
         enc = _check_encoded(enc, self._layout, self.name)
+        _batch_shape(enc.data, tuple(enc.shape), "data")
+        _batch_shape(enc.scale, (), "scale")
+        return _decode_kernel(self, enc, dtype)
+
+    def _decode(self, enc: Encoded, dtype: np.dtype) -> Array:
         return _fp8_decode(enc, dtype, ())
 
     def update_state(self, state: Mapping[str, Array], amaxes: Array) -> dict[str, Array]:
@@ -710,12 +750,17 @@ class IntCodec:
           x: a floating-point array.
           key: PRNG key (typed or legacy uint32) for stochastic rounding; ignored when
             ``stochastic`` is False. If None, one is derived from ``seed`` and a hash of ``x``.
+            One key gives one dither pattern per shape (e.g. for every example under a vmap
+            with an unbatched key); split keys for independent dither.
 
         Returns:
           An `Encoded` with ``data`` of shape ``[groups, group_size * bits // 8]`` (int8 codes,
           or packed uint8 codes) and bfloat16 ``scale`` of shape ``[groups]``.
         """
-        x = _as_float_array(x, self.name)
+        return _encode_kernel(self, _as_float_array(x, self.name), key, None)
+
+    def _encode(self, x: Array, key: Any, state: None) -> Encoded:
+        del state
         g, qmax = self.group_size, np.float32(self._qmax)
         n, ng = x.size, self._num_groups(x.size)
         flat = x.astype(jnp.float32).reshape(-1)
@@ -748,10 +793,15 @@ class IntCodec:
         """Returns ``codes * scale`` in ``dtype``, with the original shape."""
         dtype = _check_float_dtype(dtype, f"{self.name}.decode")
         enc = _check_encoded(enc, self._layout, self.name)
+        ng = self._num_groups(_prod(enc.shape))
+        _batch_shape(enc.data, (ng, self.group_size * self.bits // 8), "data")
+        _batch_shape(enc.scale, (ng,), "scale")
+        return _decode_kernel(self, enc, dtype)
+
+    def _decode(self, enc: Encoded, dtype: np.dtype) -> Array:
         shape = tuple(enc.shape)
         n, ng = _prod(shape), self._num_groups(_prod(shape))
-        batch = _batch_shape(enc.data, (ng, self.group_size * self.bits // 8), "data")
-        _batch_shape(enc.scale, (ng,), "scale")
+        batch = tuple(enc.data.shape[:-2])
         if self.bits == 8:
             q = enc.data.astype(jnp.float32)
         else:

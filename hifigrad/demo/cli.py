@@ -1,0 +1,219 @@
+"""Command line of ``hifigrad demo``: parses flags, shows progress, prints the table, writes the
+report. Flag errors print one line to stderr and return exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["main"]
+
+PROG = "hifigrad"
+
+
+class UsageError(Exception):
+    """A bad command line: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and exit
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .modes import MODES
+
+    p = _Parser(prog=PROG, description="High-fidelity (float32) gradients for JAX models "
+                                       "computed in bf16, fp16 or fp8.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    d = sub.add_parser(
+        "demo", help="train a scanned-transformer LM in every precision mode and compare them",
+        description="Trains a GPT-style byte-level language model on the Python standard "
+                    "library's source once per precision mode (same init, same batches) and "
+                    "reports gradient fidelity vs float32, loss curves, memory and speed.",
+        epilog="modes: " + "; ".join(f"{m.name} ({m.label})" for m in MODES))
+    d.add_argument("--steps", type=_positive_int, help="training steps per mode")
+    d.add_argument("--modes", default="all",
+                   help="comma-separated modes to run (default: all), see below")
+    d.add_argument("--layers", type=_positive_int, help="number of transformer blocks")
+    d.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
+    d.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
+    d.add_argument("--quick", action="store_true",
+                   help="tiny configuration (about a minute on 2 CPU cores)")
+    d.add_argument("--devices", type=_positive_int, default=1,
+                   help="data-parallel over this many devices (on CPU, simulated devices)")
+    return p
+
+
+def _parse_modes(text: str) -> tuple[str, ...]:
+    from .modes import MODE_NAMES
+
+    if text.strip() == "all":
+        return MODE_NAMES
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise UsageError("--modes: no mode given")
+    bad = [n for n in names if n not in MODE_NAMES]
+    if bad:
+        raise UsageError(f"--modes: unknown mode {bad[0]!r} (valid: {', '.join(MODE_NAMES)})")
+    return tuple(dict.fromkeys(names))
+
+
+def _check_out(out: str) -> Path:
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".hifigrad-write-test-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise UsageError(f"--out: cannot write to {out!r}: {reason}") from None
+    return path
+
+
+def _config(args):
+    from .train import QUICK, DemoConfig
+
+    base = QUICK if args.quick else DemoConfig()
+    changes = {"modes": _parse_modes(args.modes), "seed": args.seed, "devices": args.devices}
+    if args.steps is not None:
+        changes["steps"] = args.steps
+    if args.layers is not None:
+        changes["n_layers"] = args.layers
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _prepare_devices(n: int) -> None:
+    """Asks XLA for ``n`` simulated CPU devices if JAX has not started its backends yet."""
+    if n <= 1:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hifigrad`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        config = _config(args)
+        out = _check_out(args.out)
+        _prepare_devices(config.devices)
+        import jax
+
+        if jax.device_count() < config.devices:
+            raise UsageError(f"--devices {config.devices}: JAX sees only {jax.device_count()} "
+                             f"device(s) on {jax.default_backend()}")
+    except UsageError as e:
+        print(f"{PROG} demo: error: {e}", file=sys.stderr)
+        return 2
+    return _run_demo(config, out, argv)
+
+
+def _run_demo(config, out: Path, argv: list[str]) -> int:
+    from rich.console import Console
+
+    from . import report as R
+    from .train import describe_platform, run
+
+    console = Console()
+    if not console.is_terminal:  # a pipe or a log file: room for the whole table
+        console = Console(width=max(console.width, 150))
+    console.print(f"[bold]hifigrad demo[/]: {len(config.modes)} modes x {config.steps} steps, "
+                  f"{config.n_layers} blocks; {describe_platform()}")
+    with _RichReporter(console) as reporter:
+        results = run(config, reporter)
+    command = "hifigrad " + " ".join(shlex.quote(a) for a in argv)
+    paths = R.write_report(results, out, command=command)
+    console.print(_rich_table(results))
+    for c in results["conclusions"]:
+        console.print(f" • {c}", highlight=False)
+    console.print(f"Wrote {', '.join(p.name for p in paths)} to {out}/ "
+                  f"(run took {results['wall_s']:.0f} s)")
+    return 0
+
+
+def _rich_table(results):
+    from rich.table import Table
+
+    from .report import TABLE_COLUMNS, table_rows
+
+    t = Table(title="Gradient fidelity, loss, memory and speed per mode", title_justify="left")
+    for i, col in enumerate(TABLE_COLUMNS):
+        t.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+    for row in table_rows(results):
+        t.add_row(*row)
+    return t
+
+
+class _RichReporter:
+    """Shows setup stages as spinners and each mode as a progress bar."""
+
+    def __init__(self, console):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
+                                   TextColumn, TimeElapsedColumn)
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                 transient=False)
+        self.stage_task = None
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._end_stage()
+        return self.progress.__exit__(*exc)
+
+    def _end_stage(self):
+        if self.stage_task is not None:
+            self.progress.update(self.stage_task, total=1, completed=1)
+            self.stage_task = None
+
+    def stage(self, text):
+        self._end_stage()
+        self.stage_task = self.progress.add_task(text, total=None)
+
+    def mode_start(self, mode, steps):
+        self._end_stage()
+        self.tasks[mode.name] = self.progress.add_task(f"{mode.label}: compiling", total=steps)
+
+    def mode_compiled(self, mode, seconds):
+        self.progress.update(self.tasks[mode.name],
+                             description=f"{mode.label}: training (compiled in {seconds:.1f} s)")
+
+    def mode_step(self, mode, step):
+        self.progress.advance(self.tasks[mode.name])
+
+    def mode_end(self, mode, row):
+        task = self.tasks[mode.name]
+        if row["status"] == "ok":
+            self.progress.update(task, description=f"{mode.label}: done")
+        else:
+            self.progress.update(task, description=f"{mode.label}: skipped ({row['reason']})",
+                                 total=1, completed=1)

@@ -1,0 +1,338 @@
+"""Writes a demo run's results: ``report.md``, ``results.json`` and PNG plots.
+
+Every conclusion in the report is computed here from the measured numbers; none is written in
+advance. Plots use Matplotlib's Agg canvas directly (no pyplot, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["TABLE_COLUMNS", "conclusions", "table_rows", "write_report"]
+
+TABLE_COLUMNS = (
+    "mode", "grad SQNR step 0 (dB)", "grad SQNR mean (dB)", "final loss", "Δ final vs f32",
+    "mean |Δ| vs f32", "val loss", "saved residuals (MB)", "peak temp (MB)", "step (ms)",
+    "compile (s)",
+)
+
+PLOTS = {"loss": "loss_curves.png", "sqnr": "grad_sqnr.png", "memory": "memory.png"}
+
+
+# ------------------------------------------------------------------------------ formatting
+
+def _f(x, fmt: str, none: str = "—") -> str:
+    if x is None:
+        return none
+    if isinstance(x, str):
+        return x
+    if math.isinf(x):
+        return "∞"
+    return format(x, fmt)
+
+
+def _mb(b) -> str:
+    return "—" if b is None else f"{b / 2**20:.2f}"
+
+
+def _ok(results: dict) -> list[dict]:
+    return [r for r in results["modes"] if r["status"] == "ok"]
+
+
+def _by_name(results: dict) -> dict[str, dict]:
+    return {r["name"]: r for r in _ok(results)}
+
+
+def table_rows(results: dict) -> list[list[str]]:
+    """One list of strings per mode, in `TABLE_COLUMNS` order."""
+    rows = []
+    for r in results["modes"]:
+        if r["status"] != "ok":
+            rows.append([r["label"], "skipped"] + [""] * (len(TABLE_COLUMNS) - 2))
+            continue
+        is_ref = r["name"] == "f32"
+        rows.append([
+            r["label"],
+            "ref" if is_ref else _f(r["sqnr_step0_db"], ".1f", "non-finite"),
+            "ref" if is_ref else _f(r["sqnr_mean_db"], ".1f", "non-finite"),
+            _f(r["final_loss"], ".3f", "nan"),
+            "ref" if is_ref else _f(r["final_gap"], "+.3f"),
+            "ref" if is_ref else _f(r["mean_abs_gap"], ".3f"),
+            _f(r["val_loss"], ".3f", "nan"),
+            _mb(r["residual_bytes"]),
+            _mb(r["temp_bytes"]),
+            _f(r["step_ms"], ".1f"),
+            _f(r["compile_s"], ".1f"),
+        ])
+    return rows
+
+
+# ------------------------------------------------------------------------------ conclusions
+
+def _num(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def conclusions(results: dict) -> list[str]:
+    """Findings computed from the measurements, one sentence each."""
+    out: list[str] = []
+    ok = _ok(results)
+    by = _by_name(results)
+    others = [r for r in ok if r["name"] != "f32"]
+
+    tracked = [r for r in others if _num(r.get("mean_abs_gap")) is not None]
+    if tracked:
+        tracked.sort(key=lambda r: r["mean_abs_gap"])
+        best, worst = tracked[0], tracked[-1]
+        out.append(
+            f"Closest to the f32 loss curve: **{best['label']}** (mean |Δloss| "
+            f"{best['mean_abs_gap']:.4f}, final-loss gap {_f(best['final_gap'], '+.4f')}); "
+            f"furthest: **{worst['label']}** (mean |Δloss| {worst['mean_abs_gap']:.4f}, "
+            f"final-loss gap {_f(worst['final_gap'], '+.4f')}).")
+        order = ", ".join(f"{r['label']} {r['mean_abs_gap']:.4f}" for r in tracked)
+        out.append(f"Mean |Δloss| vs f32, best to worst: {order}.")
+    diverged = [r["label"] for r in others if r.get("final_loss") is None]
+    if diverged:
+        out.append(f"Training diverged (non-finite loss) for: {', '.join(diverged)}.")
+
+    fid = [r for r in others if _num(r.get("sqnr_mean_db")) is not None]
+    if fid:
+        fid.sort(key=lambda r: -r["sqnr_mean_db"])
+        out.append(
+            f"Highest gradient SQNR vs f32 (mean over training): **{fid[0]['label']}** "
+            f"({fid[0]['sqnr_mean_db']:.1f} dB); lowest: **{fid[-1]['label']}** "
+            f"({fid[-1]['sqnr_mean_db']:.1f} dB).")
+
+    for r in others:
+        c = by.get(r.get("counterpart") or "")
+        if c is None:
+            continue
+        a, b = _num(r.get("sqnr_mean_db")), _num(c.get("sqnr_mean_db"))
+        a0, b0 = _num(r.get("sqnr_step0_db")), _num(c.get("sqnr_step0_db"))
+        if a is None or b is None:
+            continue
+        verb = "higher" if a > b else "lower" if a < b else "equal"
+        s = (f"{r['label']} vs {c['label']}: gradient SQNR {a:.1f} vs {b:.1f} dB "
+             f"({a - b:+.1f} dB, {verb})")
+        if a0 is not None and b0 is not None:
+            s += f"; at step 0, same parameters: {a0:.1f} vs {b0:.1f} dB ({a0 - b0:+.1f} dB)"
+        ga, gb = _num(r.get("final_gap")), _num(c.get("final_gap"))
+        if ga is not None and gb is not None:
+            closer = "closer to" if abs(ga) < abs(gb) else "further from" if abs(ga) > abs(gb) \
+                else "as close to"
+            s += f"; final loss {closer} f32 ({ga:+.4f} vs {gb:+.4f})"
+        out.append(s + ".")
+
+    for r in others:
+        frac = r.get("lost_grad_frac_step0")
+        if frac is not None and frac >= 0.01:
+            out.append(f"{r['label']}: {100 * frac:.1f}% of the gradient entries that are "
+                       f"nonzero in f32 came out exactly zero at step 0 (underflow).")
+    ls = by.get("fp16-ls")
+    if ls is not None:
+        out.append(f"{ls['label']}: {ls['skipped_steps']} of {len(ls['losses'])} steps skipped "
+                   f"for non-finite gradients; final loss scale "
+                   f"{ls.get('final_loss_scale', float('nan')):g}.")
+
+    mem = [r for r in ok if r.get("residual_bytes")]
+    base = by.get("bf16")
+    if mem:
+        mem.sort(key=lambda r: r["residual_bytes"])
+        s = (f"Smallest saved residuals: **{mem[0]['label']}** "
+             f"({mem[0]['residual_bytes'] / 2**20:.2f} MB")
+        if base is not None and base.get("residual_bytes"):
+            s += f", {mem[0]['residual_bytes'] / base['residual_bytes']:.2f}x bf16 jax.grad's"
+        s += f"); largest: **{mem[-1]['label']}** ({mem[-1]['residual_bytes'] / 2**20:.2f} MB)."
+        out.append(s)
+    timed = [r for r in ok if _num(r.get("step_ms")) is not None]
+    if timed:
+        timed.sort(key=lambda r: r["step_ms"])
+        out.append(f"Fastest step: {timed[0]['label']} ({timed[0]['step_ms']:.1f} ms); slowest: "
+                   f"{timed[-1]['label']} ({timed[-1]['step_ms']:.1f} ms), on "
+                   f"{results['environment']['backend']}.")
+    skipped = [r for r in results["modes"] if r["status"] != "ok"]
+    for r in skipped:
+        out.append(f"{r['label']} was not run: {r['reason']}.")
+    return out
+
+
+# ------------------------------------------------------------------------------ plots
+
+def _figure(w=7.5, h=4.5):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _smooth(xs: Sequence[float | None], k: int) -> list[float]:
+    vals = [math.nan if x is None else x for x in xs]
+    if k <= 1:
+        return vals
+    out, acc = [], []
+    for v in vals:
+        acc.append(v)
+        if len(acc) > k:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def _style(name: str) -> dict:
+    if name == "f32":
+        return {"color": "black", "linewidth": 2.2, "zorder": 5}
+    return {"linewidth": 1.3, "linestyle": "-" if "hg" in name else "--"}
+
+
+def plot_losses(results: dict, path: Path) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    k = max(1, len(results["modes"][0].get("losses") or [0]) // 30)
+    for r in _ok(results):
+        ax.plot(_smooth(r["losses"], k), label=r["label"], **_style(r["name"]))
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (moving average of {k})" if k > 1 else "training loss")
+    ax.set_title("Loss curves: every mode from the same init on the same batches")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_sqnr(results: dict, path: Path) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps = results["eval_steps"]
+    for r in _ok(results):
+        if r["name"] == "f32":
+            continue
+        ys = [math.nan if not isinstance(s, (int, float)) else s for s in r["sqnr_db"]]
+        ax.plot(steps[:len(ys)], ys, marker="o", markersize=3, label=r["label"],
+                **_style(r["name"]))
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient SQNR vs f32 gradient (dB)")
+    ax.set_title("Gradient fidelity, measured at each mode's own parameters")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_memory(results: dict, path: Path) -> None:
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    rows = [r for r in _ok(results)]
+    xs = range(len(rows))
+    w = 0.4
+    ax.bar([x - w / 2 for x in xs], [(r["residual_bytes"] or 0) / 2**20 for r in rows], w,
+           label="saved residuals (traced)")
+    ax.bar([x + w / 2 for x in xs], [(r["temp_bytes"] or 0) / 2**20 for r in rows], w,
+           label=f"peak temp, compiled step ({results['environment']['backend']})")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["label"] for r in rows], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("MB")
+    ax.set_title("Memory of one training step")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ------------------------------------------------------------------------------ files
+
+def _markdown(results: dict, command: str | None) -> str:
+    cfg, env = results["config"], results["environment"]
+    lines = ["# hifigrad demo: precision modes side by side", ""]
+    if command:
+        lines += [f"Made with `{command}`.", ""]
+    lines += [
+        f"- Model: GPT-style byte-level decoder, {cfg['n_layers']} scanned blocks, d_model "
+        f"{cfg['d_model']}, {cfg['n_heads']} heads, context {cfg['seq_len']}, "
+        f"{results['n_params']:,} parameters (float32 masters), AdamW.",
+        f"- Data: {results['corpus']}.",
+        f"- Training: {cfg['steps']} steps of batch {cfg['batch_size']}, seed {cfg['seed']}; "
+        f"gradient SQNR vs the f32 gradient at the same parameters every {cfg['eval_every']} "
+        f"steps.",
+        f"- Platform: JAX {env['jax']}, {env['backend']} ({env['device']}), Python "
+        f"{env['python']}; run took {results['wall_s']:.0f} s.",
+        "",
+        "## Results",
+        "",
+        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(TABLE_COLUMNS) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    lines += ["", "## Conclusions (computed from the numbers above)", ""]
+    lines += [f"- {c}" for c in results["conclusions"]]
+    lines += [
+        "", "## Plots", "",
+        f"![loss curves]({PLOTS['loss']})", "",
+        f"![gradient SQNR]({PLOTS['sqnr']})", "",
+        f"![memory]({PLOTS['memory']})", "",
+        "## Modes", "",
+    ]
+    lines += [f"- **{r['label']}** (`{r['name']}`): {r['description']}"
+              for r in results["modes"]]
+    lines += [
+        "", "## How the figures are measured", "",
+        "- *grad SQNR*: `10 log10(|g_f32|² / |g - g_f32|²)` over all parameters, where `g` is "
+        "the mode's gradient and `g_f32` the float32 `jax.grad` gradient at the same parameters "
+        "on the same batch. *Step 0* is at the shared initial parameters; *mean* averages the "
+        "evaluations along the mode's own trajectory.",
+        "- *final loss*: mean training loss of the last 10% of steps; *Δ final* its difference "
+        "to f32's; *mean |Δ|*: mean absolute difference of the two loss curves over all steps.",
+        "- *val loss*: the final parameters' loss on held-out files, with a float32 forward.",
+        "- *saved residuals*: bytes of the values the traced pullback keeps for the backward "
+        "(each counted once, arguments excluded). *peak temp*: "
+        "`jax.jit(grad_fn).lower(...).compile().memory_analysis().temp_size_in_bytes` of the "
+        "mode's gradient program (the optimizer update is one program shared by all modes: "
+        f"{_mb(results.get('optimizer_temp_bytes'))} MB temp).",
+        "- *step*: median wall time of a training step (gradient and optimizer update, "
+        "compiled ahead of time); *compile*: trace, lower and compile time of the mode's "
+        "gradient program (programs are compiled a few at a time, in parallel).",
+    ]
+    if env["backend"] == "cpu":
+        lines += [
+            "- Measured on CPU, where XLA emulates bf16/fp16/fp8 arithmetic with conversions: "
+            "low-precision steps are not faster than f32 there, and temporary buffers include "
+            "conversion copies. Judge memory by the saved residuals and speed on a GPU."]
+    return "\n".join(lines) + "\n"
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_report(results: dict, out_dir: str | os.PathLike, command: str | None = None
+                 ) -> list[Path]:
+    """Writes ``report.md``, ``results.json`` and the plots to ``out_dir``; returns the paths.
+
+    Adds ``results["conclusions"]`` (computed by `conclusions`) if missing.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results.setdefault("conclusions", conclusions(results))
+    paths = []
+    for key, fn in (("loss", plot_losses), ("sqnr", plot_sqnr), ("memory", plot_memory)):
+        p = out / PLOTS[key]
+        fn(results, p)
+        paths.append(p)
+    p = out / "results.json"
+    p.write_text(json.dumps(_json_safe(results), indent=1, allow_nan=False) + "\n")
+    paths.append(p)
+    p = out / "report.md"
+    p.write_text(_markdown(results, command), encoding="utf-8")
+    paths.append(p)
+    return paths

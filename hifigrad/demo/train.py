@@ -1,0 +1,403 @@
+"""`run(config) -> results`: trains the demo model once per mode and measures each.
+
+Every mode starts from the same initial parameters and sees the same batches in the same order.
+For each mode it records:
+
+* the training loss at every step, and the validation loss of the final parameters (always
+  evaluated with a float32 forward, so it measures the parameters, not the forward's dtype);
+* gradient fidelity: every ``eval_every`` steps (and at the last step), the mode's gradient and
+  the float32 reference gradient ``jax.grad`` computes *at the same parameters on the same
+  batch*, compared by SQNR = ``10 log10(|g_ref|^2 / |g - g_ref|^2)`` over all parameters;
+* the step time (median over the steps of the gradient plus the optimizer update, compiled
+  ahead of time) and the time to trace and compile the mode's gradient program;
+* memory: the bytes of the residuals one training step saves for its backward (the leaves of
+  the mode's pullback, counted once each, leaving out the arguments it keeps a reference to),
+  and XLA's temporary bytes for the compiled gradient program (``memory_analysis()``; the
+  optimizer update is the same program for every mode and is reported once).
+
+`run` is pure apart from what its optional `Reporter` prints.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from . import data as D
+from . import model as M
+from . import modes as MD
+
+__all__ = ["DemoConfig", "QUICK", "Reporter", "run", "saved_residual_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on."""
+
+    modes: tuple[str, ...] = MD.MODE_NAMES
+    steps: int = 300
+    n_layers: int = 4
+    d_model: int = 64
+    n_heads: int = 4
+    seq_len: int = 128
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    eval_every: int = 25
+    val_batches: int = 8
+    corpus_bytes: int = 4_000_000
+    seed: int = 0
+    devices: int = 1
+
+    def __post_init__(self):
+        for name in ("steps", "n_layers", "d_model", "n_heads", "seq_len", "batch_size",
+                     "eval_every", "val_batches", "corpus_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.modes:
+            raise ValueError("at least one mode is needed")
+        for m in self.modes:
+            MD.get_mode(m)
+        if self.devices < 1 or self.batch_size % self.devices:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by "
+                             f"devices={self.devices}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+    @property
+    def model(self) -> M.ModelConfig:
+        return M.ModelConfig(n_layers=self.n_layers, d_model=self.d_model,
+                             n_heads=self.n_heads, seq_len=self.seq_len)
+
+
+# A tiny configuration for tests and a first look: the whole run within a minute on 2 CPU cores.
+QUICK = DemoConfig(steps=30, n_layers=2, d_model=32, n_heads=2, seq_len=32, batch_size=8,
+                   learning_rate=3e-3, warmup_steps=5, eval_every=10, val_batches=2,
+                   corpus_bytes=1_000_000)
+
+
+class Reporter:
+    """Progress callbacks of `run`; this base class prints nothing."""
+
+    def stage(self, text: str) -> None:
+        """A setup stage begins (loading data, compiling the reference)."""
+
+    def mode_start(self, mode: MD.Mode, steps: int) -> None:
+        """``mode`` starts compiling."""
+
+    def mode_compiled(self, mode: MD.Mode, seconds: float) -> None:
+        """``mode``'s step is compiled; training starts."""
+
+    def mode_step(self, mode: MD.Mode, step: int) -> None:
+        """``mode`` finished training step ``step`` (0-based)."""
+
+    def mode_end(self, mode: MD.Mode, row: dict) -> None:
+        """``mode`` is done (``row["status"]`` is ``"ok"`` or ``"skipped"``)."""
+
+
+# ------------------------------------------------------------------------------ measurements
+
+def saved_residual_bytes(vjp_fn_of, *args) -> int:
+    """Bytes of the residuals a pullback saves, measured by tracing, without running anything.
+
+    ``vjp_fn_of(*args)`` must return a pullback (from `jax.vjp` or `hifigrad.vjp`); its pytree
+    leaves are what the backward keeps alive. Each distinct value is counted once; values that
+    are simply the arguments themselves are left out (they are alive anyway).
+    """
+    from hifigrad._src import compat
+
+    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_fn_of(*a)))(*args)
+    jaxpr, _ = compat.jaxpr_and_consts(closed)
+    invars = set(jaxpr.invars)
+    seen: set = set()
+    total = 0
+    for v in jaxpr.outvars:
+        if compat.is_literal(v) or v in invars or v in seen:
+            continue
+        seen.add(v)
+        total += int(math.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+    return total
+
+
+def _flat64(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+def gradient_sqnr_db(g: np.ndarray, g_ref: np.ndarray) -> float | None:
+    """``10 log10(|g_ref|^2 / |g - g_ref|^2)`` in dB; inf when equal; None if ``g`` is not finite."""
+    if not np.all(np.isfinite(g)):
+        return None
+    err = float(np.sum(np.square(g - g_ref)))
+    sig = float(np.sum(np.square(g_ref)))
+    if err == 0.0:
+        return math.inf
+    return 10.0 * math.log10(sig / err)
+
+
+def _optimizer(cfg: DemoConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, min(cfg.warmup_steps, max(cfg.steps - 1, 1)),
+        max(cfg.steps, 2), end_value=cfg.learning_rate / 10)
+    decay = {"tok_emb", "head", "qkv", "proj", "fc1", "fc2"}
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", None) in decay, params)
+
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                                   mask=mask))
+
+
+def _make_update(tx: optax.GradientTransformation):
+    """The optimizer half of a training step, shared by every mode (compiled once)."""
+
+    def update(params, opt_state, grads, ok):
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep(new, old):  # a skipped (loss-scaled, non-finite) step changes nothing
+            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+        return keep(new_params, params), keep(new_opt_state, opt_state)
+
+    return update
+
+
+def _environment() -> dict:
+    dev = jax.devices()[0]
+    import hifigrad
+
+    return {"jax": jax.__version__, "python": platform.python_version(),
+            "hifigrad": hifigrad.__version__, "backend": jax.default_backend(),
+            "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count(),
+            "platform": platform.platform(terse=True)}
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+# ------------------------------------------------------------------------------ run
+
+def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
+    """Trains every mode of ``config`` and returns the measurements (JSON-serialisable).
+
+    A training step is the mode's compiled gradient function (``(params, state, batch) ->
+    (loss, grads, state, ok)``) followed by the optimizer update, which is the same program for
+    every mode and is compiled once. All programs are traced first, then compiled in parallel
+    threads, then each mode is trained in turn (so step times are measured on a quiet machine).
+
+    A mode whose hifigrad API is missing from this installation gets a row with
+    ``status="skipped"`` and the reason.
+    """
+    rep = reporter or Reporter()
+    cfg = config
+    mcfg = cfg.model
+    t_start = time.perf_counter()
+
+    rep.stage("reading the standard library's source")
+    corpus = D.load_corpus(cfg.corpus_bytes)
+    train_np = D.sample_batches(corpus.train, cfg.steps, cfg.batch_size, cfg.seq_len, cfg.seed)
+    val_np = D.sample_batches(corpus.val, cfg.val_batches, cfg.batch_size, cfg.seq_len,
+                              cfg.seed + 1)
+    params0 = M.init_params(jax.random.key(cfg.seed), mcfg)
+    put_batch = jnp.asarray
+    if cfg.devices > 1:  # data parallel: batches split over a 1-D mesh, parameters replicated
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        mesh = Mesh(np.array(jax.devices()[:cfg.devices]), ("data",))
+        params0 = jax.device_put(params0, NamedSharding(mesh, PartitionSpec()))
+
+        def put_batch(b):
+            return jax.device_put(b, NamedSharding(mesh, PartitionSpec("data")))
+
+    train_batches = [put_batch(b) for b in train_np]
+    val_batches = [put_batch(b) for b in val_np]
+    tx = _optimizer(cfg)
+    opt_state0 = tx.init(params0)
+    eval_steps = sorted({*range(0, cfg.steps, cfg.eval_every), cfg.steps - 1})
+    batch0 = train_batches[0]
+
+    rep.stage("tracing every mode")
+    compiles = _Compiler()
+    shared = {
+        "update": compiles.submit(_make_update(tx), params0, opt_state0, params0,
+                                  jnp.asarray(True)),
+        "val_loss": compiles.submit(lambda p, b: M.loss_fn(mcfg, p, b, jnp.float32), params0,
+                                    val_batches[0]),
+    }
+    rows, jobs = [], {}
+    for name in dict.fromkeys(("f32", *cfg.modes)):
+        mode = MD.get_mode(name)
+        row = _base_row(mode)
+        if name in cfg.modes:
+            rep.mode_start(mode, cfg.steps)
+            rows.append(row)
+        try:
+            fns = MD.build(mode, mcfg)
+        except MD.MissingAPI as e:
+            row.update(status="skipped", reason=str(e))
+            rep.mode_end(mode, row)
+            continue
+        state0 = fns.init_state()
+        if name in cfg.modes:
+            row["residual_bytes"] = saved_residual_bytes(fns.vjp_for_memory, params0, state0,
+                                                         batch0)
+        jobs[name] = (fns, state0, compiles.submit(fns.value_and_grad, params0, state0, batch0))
+
+    rep.stage("compiling")
+    update = compiles.result(shared["update"])[0]
+    val_loss = compiles.result(shared["val_loss"])[0]
+    ref_vg = compiles.result(jobs["f32"][2])[0]  # the f32 reference gradient
+    compiled = {}
+    for name, (_, _, job) in jobs.items():
+        compiled[name] = compiles.result(job)
+        if name in cfg.modes:
+            rep.mode_compiled(MD.get_mode(name), compiled[name][1])
+    compiles.close()
+
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        mode = MD.get_mode(row["name"])
+        fns, state0, _ = jobs[mode.name]
+        vg, compile_s = compiled[mode.name]
+        row.update(_train_mode(cfg, mode, vg, compile_s, update, state0, params0, opt_state0,
+                               train_batches, val_batches, eval_steps, ref_vg, val_loss, rep))
+        rep.mode_end(mode, row)
+
+    _add_gaps(rows, cfg.steps)
+    update_mem = update.memory_analysis()
+    return {
+        "config": dataclasses.asdict(cfg),
+        "environment": _environment(),
+        "corpus": corpus.describe(),
+        "n_params": M.n_params(params0),
+        "eval_steps": eval_steps,
+        "modes": rows,
+        "optimizer_temp_bytes": None if update_mem is None else int(
+            update_mem.temp_size_in_bytes),
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+class _Compiler:
+    """Traces and lowers in the calling thread, compiles in a small thread pool (XLA releases
+    the GIL while compiling). ``result(job)`` is ``(compiled, seconds)``, where seconds covers
+    tracing, lowering and compiling (compiles overlap, so they can read a little long)."""
+
+    def __init__(self):
+        workers = max(1, min(4, os.cpu_count() or 1))
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, "hifigrad-demo-compile")
+
+    def submit(self, fun, *args):
+        t = time.perf_counter()
+        lowered = jax.jit(fun).lower(*args)
+        trace_s = time.perf_counter() - t
+
+        def compile_():
+            t = time.perf_counter()
+            return lowered.compile(), trace_s + time.perf_counter() - t
+
+        return self.pool.submit(compile_)
+
+    @staticmethod
+    def result(job):
+        return job.result()
+
+    def close(self):
+        self.pool.shutdown()
+
+
+def _base_row(mode: MD.Mode) -> dict:
+    return {"name": mode.name, "label": mode.label, "description": mode.description,
+            "dtype": np.dtype(mode.dtype).name, "grad": mode.grad, "saved": mode.saved,
+            "counterpart": mode.counterpart, "status": "ok", "reason": None}
+
+
+def _train_mode(cfg, mode, vg, compile_s, update, state0, params0, opt_state0, train_batches,
+                val_batches, eval_steps, ref_vg, val_loss, rep) -> dict:
+    mem = vg.memory_analysis()
+    temp_bytes = int(mem.temp_size_in_bytes) if mem is not None else None
+    params, opt_state, state = params0, opt_state0, state0
+    losses, times, sqnr, zero_frac, skipped = [], [], [], [], 0
+    for i, batch in enumerate(train_batches):
+        t = time.perf_counter()
+        loss, grads, state, ok = vg(params, state, batch)
+        new_params, opt_state = jax.block_until_ready(update(params, opt_state, grads, ok))
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss))
+        skipped += not bool(ok)
+        if i in eval_steps:
+            g, g_ref = _flat64(grads), _flat64(ref_vg(params, {}, batch)[1])
+            sqnr.append(gradient_sqnr_db(g, g_ref))
+            zero_frac.append(float(np.mean((g == 0) & (g_ref != 0))))
+        params = new_params
+        rep.mode_step(mode, i)
+
+    val = float(np.mean([float(val_loss(params, b)) for b in val_batches]))
+    finite_sqnr = [s for s in sqnr if s is not None and math.isfinite(s)]
+    out = {
+        "losses": [_finite_or_none(x) for x in losses],
+        "val_loss": _finite_or_none(val),
+        "sqnr_db": [None if s is None else (s if math.isfinite(s) else "inf") for s in sqnr],
+        "sqnr_step0_db": _finite_or_none(sqnr[0]),
+        "sqnr_mean_db": _finite_or_none(statistics.fmean(finite_sqnr)) if finite_sqnr else None,
+        "lost_grad_frac_step0": zero_frac[0],
+        "step_ms": 1e3 * statistics.median(times[1:] if len(times) > 1 else times),
+        "compile_s": compile_s,
+        "temp_bytes": temp_bytes,
+        "skipped_steps": skipped,
+    }
+    if mode.loss_scaling:
+        out["final_loss_scale"] = float(state["scale"])
+    return out
+
+
+def _tail_mean(losses: Sequence[float | None], n: int) -> float | None:
+    tail = losses[-n:]
+    if any(x is None for x in tail):
+        return None
+    return statistics.fmean(tail)
+
+
+def _add_gaps(rows: list[dict], steps: int) -> None:
+    """Final loss (mean of the last 10% of steps) and its gap to the f32 reference; mean
+    absolute gap of the loss curves over all steps."""
+    n = max(1, steps // 10)
+    ref = next((r for r in rows if r["name"] == "f32" and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["final_loss"] = _tail_mean(r["losses"], n)
+        r["final_gap"] = r["mean_abs_gap"] = None
+        if ref is None or r is ref:
+            continue
+        ref_final = _tail_mean(ref["losses"], n)
+        if r["final_loss"] is not None and ref_final is not None:
+            r["final_gap"] = r["final_loss"] - ref_final
+        pairs = list(zip(r["losses"], ref["losses"]))
+        if all(a is not None and b is not None for a, b in pairs):
+            r["mean_abs_gap"] = statistics.fmean(abs(a - b) for a, b in pairs)
+
+
+def describe_platform() -> str:
+    """One line naming the JAX backend and device."""
+    env = _environment()
+    return (f"JAX {env['jax']} on {env['backend']} ({env['device']}, {env['device_count']} "
+            f"device{'s' if env['device_count'] > 1 else ''}), Python {sys.version.split()[0]}")

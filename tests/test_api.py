@@ -1,0 +1,372 @@
+"""hg.vjp / hg.grad / hg.value_and_grad / hg.precise_backward.
+
+References are independent: float64 NumPy backward passes written out by hand over the same
+low-precision forward values, or `jax.grad` where dtypes are equal.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hifigrad as hg
+
+BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significand bits incl. the implicit one: eps/2)
+F32_U = 2.0 ** -24
+
+
+# --------------------------------------------------------------------------- the seed
+
+
+@jax.custom_vjp
+def identity(x):
+    return x
+
+
+identity.defvjp(lambda x: (x, None), lambda res, g: (g.astype(jnp.float32),))
+
+
+def seed_model(x):
+    def body(carry, _):
+        return identity(carry), None
+
+    x = identity(x)
+    x = lax.scan(body, x, None, length=2)[0]
+    return identity(x)
+
+
+def test_seed_minimal_example(maybe_jit):
+    x = jnp.asarray(8, dtype=jnp.bfloat16)
+    g = maybe_jit(hg.grad(seed_model))(x)
+    assert g.dtype == jnp.float32 and float(g) == 1.0
+
+
+STEPS = 16
+
+
+def realistic(x, w):
+    def body(c, _):
+        c = identity(jnp.tanh(c * w))
+        return c, c
+
+    x = identity(x)
+    c, cs = lax.scan(body, x, None, length=STEPS)
+    return identity(c).astype(jnp.float32), cs
+
+
+def _realistic_reference(x, w):
+    """float64 backward over the same bf16 forward values (the carries the bf16 forward made)."""
+    _, cs = realistic(x, w)
+    cs = np.concatenate([[np.float64(x)], np.asarray(cs, np.float64)])
+    wf = np.float64(w)
+    gc, gw = 1.0, 0.0
+    for t in reversed(range(STEPS)):
+        y = cs[t + 1]
+        d = gc * (1 - y * y)
+        gw += d * cs[t]
+        gc = d * wf
+    return gc, gw
+
+
+@pytest.mark.parametrize("coefficients", ["forward", "tangent"])
+def test_seed_realistic_matches_float64(maybe_jit, coefficients):
+    x, w = jnp.asarray(0.8, jnp.bfloat16), jnp.asarray(1.3, jnp.bfloat16)
+    pol = hg.Policy(coefficients=coefficients)
+    gx, gw = maybe_jit(hg.grad(lambda x, w: realistic(x, w)[0], argnums=(0, 1), policy=pol))(x, w)
+    assert gx.dtype == gw.dtype == jnp.float32
+    rx, rw = _realistic_reference(x, w)
+    if coefficients == "tangent":
+        # Only f32 rounding is left: ~2 ops per step, STEPS steps, each 2^-24 relative.
+        tol = 4 * STEPS * F32_U
+    else:
+        # JAX saves tanh's coefficient (1 - y^2, or 1 - y) in bf16: each step's coefficient is off
+        # by up to one bf16 rounding, and the errors of STEPS steps add up.
+        tol = STEPS * BF16_U
+    np.testing.assert_allclose(float(gx), rx, rtol=tol)
+    np.testing.assert_allclose(float(gw), rw, rtol=tol)
+
+
+# --------------------------------------------------------------------------- backward exactness
+
+D, B, L = 16, 4, 32
+
+
+def mlp(params, x):
+    ws, b = params
+
+    def body(c, w):
+        c = jnp.tanh(c @ w + b[None])
+        return c, c
+
+    c, cs = lax.scan(body, x, ws)
+    return jnp.sum(c.astype(jnp.float32)), cs
+
+
+def _mlp_setup():
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(L, D, D)) / np.sqrt(D) * 1.5, jnp.bfloat16)
+    b = jnp.asarray(rng.normal(size=(D,)) * 0.1, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(B, D)), jnp.bfloat16)
+    return (ws, b), x
+
+
+def _mlp_reference(params, x):
+    """float64 backward over the bf16 forward values, coefficients exact (1 - y^2 in f64)."""
+    ws, b = params
+    _, cs = mlp(params, x)
+    cs = [np.asarray(x, np.float64)] + [np.asarray(c, np.float64) for c in cs]
+    wf = np.asarray(ws, np.float64)
+    g = np.ones((B, D))
+    gws, gb = np.zeros_like(wf), np.zeros(D)
+    for i in reversed(range(L)):
+        d = g * (1 - cs[i + 1] ** 2)
+        gws[i] = cs[i].T @ d
+        gb += d.sum(0)
+        g = d @ wf[i].T
+    return gws, gb
+
+
+def _rel(got, want):
+    got = np.concatenate([np.asarray(a, np.float64).ravel() for a in got])
+    want = np.concatenate([np.asarray(a, np.float64).ravel() for a in want])
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def test_mlp_backward_exact_with_tangent_coefficients(maybe_jit):
+    params, x = _mlp_setup()
+    ref = _mlp_reference(params, x)
+    pol = hg.Policy(coefficients="tangent")
+    g = maybe_jit(hg.grad(lambda p: mlp(p, x)[0], policy=pol))(params)
+    err = _rel(g, ref)
+    plain = _rel(jax.grad(lambda p: mlp(p, x)[0])(params), ref)
+    # Bound: f32 accumulation over L steps of D-term dot products.
+    assert err <= 1e-5, err
+    assert plain > 100 * err
+
+
+def test_mlp_backward_exact_over_the_same_residuals(maybe_jit):
+    """Default policy vs a float64 backward over the very same bf16 residuals.
+
+    The float64 backward is hifigrad's own with tangent_dtype=float64 under x64: it sees the
+    same residuals (including JAX's bf16 coefficients), so the difference is the f32 arithmetic.
+    """
+    params, x = _mlp_setup()
+    g = maybe_jit(hg.grad(lambda p: mlp(p, x)[0]))(params)
+    with jax.enable_x64(True):
+        ref = hg.grad(lambda p: mlp(p, x)[0], tangent_dtype=jnp.float64)(params)
+        assert all(r.dtype == jnp.float64 for r in jax.tree_util.tree_leaves(ref))
+    err = _rel(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref))
+    assert err <= 1e-5, err
+    # And against the exact-coefficient reference the default policy is within bf16 rounding of
+    # the saved coefficients (one rounding per layer, accumulated over L layers).
+    err_exact = _rel(g, _mlp_reference(params, x))
+    plain = _rel(jax.grad(lambda p: mlp(p, x)[0])(params), _mlp_reference(params, x))
+    assert err_exact <= L * BF16_U, err_exact
+    assert plain > err_exact
+
+
+# --------------------------------------------------------------------------- fp16 underflow
+
+
+def test_fp16_underflow_without_loss_scaling(maybe_jit):
+    """Cotangents of ~1e-9 underflow to zero in fp16 (smallest subnormal 6e-8)."""
+    rng = np.random.default_rng(1)
+    w1 = jnp.asarray(rng.normal(size=(8, 8)) * 0.3, jnp.float16)
+    w2 = jnp.asarray(rng.normal(size=(8, 8)) * 0.3, jnp.float16)
+    x = jnp.asarray(rng.normal(size=(2, 8)), jnp.float16)
+
+    def loss(params):
+        w1, w2 = params
+        h = jnp.tanh(x @ w1)
+        return jnp.sum((h @ w2).astype(jnp.float32)) * 1e-9
+
+    g_jax = jax.grad(loss)((w1, w2))
+    assert any(float(jnp.max(jnp.abs(g))) == 0.0 for g in g_jax)  # JAX loses them
+    g = maybe_jit(hg.grad(loss))((w1, w2))
+    # float64 reference over the fp16 forward values.
+    xf, w1f, w2f = (np.asarray(a, np.float64) for a in (x, w1, w2))
+    h = np.asarray(jnp.tanh(x @ w1), np.float64)
+    gw2 = h.T @ np.full((2, 8), 1e-9)
+    gh = np.full((2, 8), 1e-9) @ w2f.T
+    gw1 = xf.T @ (gh * (1 - h * h))
+    # fp16 coefficient (1 - h^2) rounding: 2^-11 relative, plus f32 arithmetic.
+    np.testing.assert_allclose(np.asarray(g[1]), gw2, rtol=2 ** -10)
+    np.testing.assert_allclose(np.asarray(g[0]), gw1, rtol=2 ** -9, atol=1e-15)
+    assert all(float(jnp.max(jnp.abs(a))) > 0 for a in g)
+
+
+# --------------------------------------------------------------------------- semantics
+
+
+def test_forward_is_bitwise_unchanged(maybe_jit):
+    params, x = _mlp_setup()
+    f = lambda p: mlp(p, x)[0]
+    v, _ = maybe_jit(hg.value_and_grad(f))(params)
+    assert np.array_equal(np.asarray(v), np.asarray(maybe_jit(f)(params)))
+    out, _ = hg.vjp(lambda p: mlp(p, x)[1], params)
+    assert out.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(out), np.asarray(mlp(params, x)[1]))
+
+
+def test_grad_output_dtypes_and_pytrees(maybe_jit):
+    params = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float16),
+              "c": jnp.ones(2, jnp.float32), "n": jnp.arange(2)}
+
+    def f(p, scale):
+        return jnp.sum((p["a"] * 2).astype(jnp.float32)) + jnp.sum(
+            p["b"].astype(jnp.float32) * scale) + jnp.sum(p["c"] * p["n"].astype(jnp.float32))
+
+    g, gs = maybe_jit(hg.grad(f, argnums=(0, 1), allow_int=True))(params, jnp.float32(3))
+    assert g["a"].dtype == g["b"].dtype == g["c"].dtype == jnp.float32
+    assert g["n"].dtype == jax.dtypes.float0
+    np.testing.assert_array_equal(g["a"], 2 * np.ones(3))
+    np.testing.assert_array_equal(g["b"], 3 * np.ones(2))
+    np.testing.assert_array_equal(gs, 2.0)
+
+
+def test_has_aux_and_value_and_grad(maybe_jit):
+    def f(w):
+        y = jnp.tanh(w).sum()
+        return y.astype(jnp.float32), {"y": y}
+
+    (v, aux), g = maybe_jit(hg.value_and_grad(f, has_aux=True))(jnp.ones(4, jnp.bfloat16))
+    assert v.dtype == jnp.float32 and aux["y"].dtype == jnp.bfloat16 and g.dtype == jnp.float32
+    g2, aux2 = maybe_jit(hg.grad(f, has_aux=True))(jnp.ones(4, jnp.bfloat16))
+    np.testing.assert_array_equal(g, g2)
+    assert aux2["y"] == aux["y"]
+
+
+def test_equals_jax_grad_in_f32(maybe_jit):
+    f = lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2)
+    w, x = jnp.ones((3, 2)) * 0.3, jnp.arange(6.0).reshape(2, 3)
+    got = maybe_jit(hg.grad(f, argnums=(0, 1)))(w, x)
+    want = maybe_jit(jax.grad(f, argnums=(0, 1)))(w, x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_vjp_accepts_both_cotangent_dtypes(maybe_jit):
+    x = jnp.linspace(-1, 1, 5).astype(jnp.bfloat16)
+    out, f_vjp = hg.vjp(jnp.sin, x)
+    (a,) = maybe_jit(f_vjp)(jnp.ones(5, jnp.bfloat16))
+    (b,) = maybe_jit(f_vjp)(jnp.ones(5, jnp.float32))
+    assert a.dtype == b.dtype == jnp.float32
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="shape"):
+        f_vjp(jnp.ones(4, jnp.float32))
+
+
+def test_vjp_fn_is_a_pytree_of_residuals():
+    x = jnp.linspace(-1, 1, 5).astype(jnp.bfloat16)
+    out, f_vjp = jax.jit(lambda x: hg.vjp(jnp.sin, x))(x)
+    leaves = jax.tree_util.tree_leaves(f_vjp)
+    assert leaves and all(isinstance(l, jax.Array) for l in leaves)
+    np.testing.assert_allclose(f_vjp(jnp.ones(5))[0], np.cos(np.asarray(x, np.float64)),
+                               rtol=2 ** -8)
+
+
+def test_vmap_outside(maybe_jit):
+    w = jnp.ones((3,), jnp.bfloat16) * 0.5
+    xs = jnp.arange(12.0).reshape(4, 3).astype(jnp.bfloat16) / 10
+    per_ex = maybe_jit(jax.vmap(hg.grad(lambda w, x: jnp.sum(jnp.tanh(w * x)).astype(
+        jnp.float32)), in_axes=(None, 0)))(w, xs)
+    assert per_ex.shape == (4, 3) and per_ex.dtype == jnp.float32
+    for i in range(4):
+        np.testing.assert_allclose(per_ex[i], hg.grad(lambda w: jnp.sum(jnp.tanh(
+            w * xs[i])).astype(jnp.float32))(w), rtol=1e-6)
+
+
+def test_grad_of_mixed_precision_program_is_closer_to_f64_than_jax():
+    rng = np.random.default_rng(3)
+    w32 = jnp.asarray(rng.normal(size=(32, 32)) * 0.2, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
+
+    def f(w32):
+        h = x.astype(jnp.bfloat16)
+        for _ in range(6):
+            h = jnp.tanh(h @ w32.astype(jnp.bfloat16))
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    with jax.enable_x64(True):
+        def f64(w):
+            h = np.asarray(x, np.float64)
+            hs = [h]
+            wb = np.asarray(w32.astype(jnp.bfloat16), np.float64)
+            for _ in range(6):
+                h = np.asarray(jnp.tanh((jnp.asarray(h).astype(jnp.bfloat16)
+                                         @ w32.astype(jnp.bfloat16))), np.float64)
+                hs.append(h)
+            g = 2 * hs[-1]
+            gw = np.zeros_like(wb)
+            for i in reversed(range(6)):
+                d = g * (1 - hs[i + 1] ** 2)
+                gw += hs[i].T @ d
+                g = d @ wb.T
+            return gw
+        ref = f64(w32)
+    e_hg = np.linalg.norm(np.asarray(hg.grad(f)(w32)) - ref) / np.linalg.norm(ref)
+    e_jax = np.linalg.norm(np.asarray(jax.grad(f)(w32)) - ref) / np.linalg.norm(ref)
+    assert e_hg < e_jax / 2, (e_hg, e_jax)
+
+
+# --------------------------------------------------------------------------- precise_backward
+
+
+def test_precise_backward_under_jax_grad(maybe_jit):
+    def layer(w32, x):
+        return jnp.sum(jnp.tanh(x @ w32.astype(jnp.bfloat16)).astype(jnp.float32))
+
+    f = hg.precise_backward(layer)
+    w = jnp.ones((4, 3)) * 0.1
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    gw, gx = maybe_jit(jax.grad(f, argnums=(0, 1)))(w, x)
+    assert gw.dtype == jnp.float32 and gx.dtype == jnp.bfloat16
+    hw, hx = hg.grad(layer, argnums=(0, 1))(w, x)
+    np.testing.assert_allclose(gw, hw, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), hx, rtol=2 ** -8)
+    assert np.array_equal(np.asarray(f(w, x)), np.asarray(layer(w, x)))
+
+
+def test_precise_backward_inside_hg_grad_is_full_precision():
+    """Nested in hg.grad, the boundary casts are promoted away: no bf16 rounding at all."""
+    def block(x):
+        return jnp.tanh(x) * 3
+
+    x = jnp.linspace(-1, 1, 7).astype(jnp.bfloat16)
+    g_nested = hg.grad(lambda x: jnp.sum(hg.precise_backward(block)(x).astype(jnp.float32)))(x)
+    g_plain = hg.grad(lambda x: jnp.sum(block(x).astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(g_nested, g_plain)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, jnp.bool_, jnp.complex64])
+def test_non_float_tangent_dtype(bad):
+    with pytest.raises(ValueError, match="tangent_dtype must be a real floating dtype"):
+        hg.grad(jnp.sum, tangent_dtype=bad)(jnp.ones(2))
+
+
+def test_tangent_dtype_less_precise_than_primal():
+    with pytest.raises(ValueError) as e:
+        hg.grad(jnp.sum, tangent_dtype=jnp.bfloat16)(jnp.ones(2, jnp.float32))
+    assert "bfloat16" in str(e.value) and "float32" in str(e.value)
+    with pytest.raises(ValueError, match="float16"):
+        hg.vjp(jnp.sin, jnp.ones(2, jnp.bfloat16), tangent_dtype=jnp.float16)
+
+
+def test_policy_conflict_and_bad_fields():
+    with pytest.raises(ValueError, match="conflicts"):
+        hg.grad(jnp.sum, tangent_dtype=jnp.float64, policy=hg.Policy())(jnp.ones(2))
+    with pytest.raises(ValueError, match="matmul"):
+        hg.Policy(matmul="fastest")
+
+
+def test_grad_errors_mirror_jax():
+    with pytest.raises(TypeError, match="scalar-output"):
+        hg.grad(lambda x: x)(jnp.ones(2))
+    with pytest.raises(TypeError, match="integer-valued inputs"):
+        hg.grad(lambda x: jnp.sum(x).astype(jnp.float32))(jnp.ones(2, jnp.int32))
+    with pytest.raises(TypeError, match="real-valued outputs"):
+        hg.grad(lambda x: jnp.sum(x).astype(jnp.int32))(jnp.ones(2))
