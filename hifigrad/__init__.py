@@ -2,10 +2,14 @@
 
 from importlib import metadata as _metadata
 
+from ._src import codecs as codecs
 from ._src.api import grad as grad
 from ._src.api import precise_backward as precise_backward
 from ._src.api import value_and_grad as value_and_grad
 from ._src.api import vjp as vjp
+from ._src.checkpoint import checkpoint as checkpoint
+from ._src.checkpoint import scan as scan
+from ._src.codecs import get_codec as get_codec
 from ._src.interpreter import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._src.policy import Policy as Policy
 from ._src.rules import promote_rule as promote_rule
@@ -18,6 +22,10 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
 
 __all__ = [
     "Policy",
+    "checkpoint",
+    "codecs",
+    "get_codec",
+    "scan",
     "UnsupportedPrimitiveError",
     "grad",
     "precise_backward",

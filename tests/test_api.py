@@ -305,9 +305,16 @@ def test_grad_of_mixed_precision_program_is_closer_to_f64_than_jax():
                 g = d @ wb.T
             return gw
         ref = f64(w32)
-    e_hg = np.linalg.norm(np.asarray(hg.grad(f)(w32)) - ref) / np.linalg.norm(ref)
-    e_jax = np.linalg.norm(np.asarray(jax.grad(f)(w32)) - ref) / np.linalg.norm(ref)
-    assert e_hg < e_jax / 2, (e_hg, e_jax)
+    def err(g):
+        return np.linalg.norm(np.asarray(g) - ref) / np.linalg.norm(ref)
+
+    e_jax = err(jax.grad(f)(w32))
+    e_hg = err(hg.grad(f)(w32))
+    e_hg_tangent = err(hg.grad(f, policy=hg.Policy(coefficients="tangent"))(w32))
+    # The default policy keeps JAX's bf16 coefficients (their rounding dominates); with
+    # coefficients in f32 only f32 arithmetic error is left.
+    assert e_hg < e_jax, (e_hg, e_jax)
+    assert e_hg_tangent < e_jax / 10, (e_hg_tangent, e_jax)
 
 
 # --------------------------------------------------------------------------- precise_backward

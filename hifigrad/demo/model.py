@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["ModelConfig", "block", "forward", "init_params", "lax_scan_blocks", "loss_fn",
@@ -46,35 +47,41 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
-def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
-    """Float32 master parameters; the blocks' parameters are stacked along axis 0."""
+def init_params(seed: int, cfg: ModelConfig) -> Params:
+    """Float32 master parameters; the blocks' parameters are stacked along axis 0.
+
+    Drawn with NumPy's generator (no compilation, same values on every backend).
+    """
     if cfg.d_model % cfg.n_heads:
         raise ValueError(f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
     L, D, H = cfg.n_layers, cfg.d_model, cfg.d_model * cfg.mlp_ratio
-    k = iter(jax.random.split(key, 8))
+    rng = np.random.default_rng(seed)
     std = 0.02
     out_std = std / math.sqrt(2 * L)  # GPT-2's scaled init of the residual projections
 
     def normal(shape, s):
-        return s * jax.random.normal(next(k), shape, jnp.float32)
+        return jnp.asarray((s * rng.standard_normal(shape)).astype(np.float32))
+
+    def const(shape, v):
+        return jnp.asarray(np.full(shape, v, np.float32))
 
     return {
         "tok_emb": normal((cfg.vocab, D), std),
         "pos_emb": normal((cfg.seq_len, D), std / 2),
         "blocks": {
-            "ln1_scale": jnp.ones((L, D), jnp.float32),
-            "ln1_bias": jnp.zeros((L, D), jnp.float32),
+            "ln1_scale": const((L, D), 1.0),
+            "ln1_bias": const((L, D), 0.0),
             "qkv": normal((L, D, 3 * D), std),
             "proj": normal((L, D, D), out_std),
-            "ln2_scale": jnp.ones((L, D), jnp.float32),
-            "ln2_bias": jnp.zeros((L, D), jnp.float32),
+            "ln2_scale": const((L, D), 1.0),
+            "ln2_bias": const((L, D), 0.0),
             "fc1": normal((L, D, H), std),
-            "fc1_bias": jnp.zeros((L, H), jnp.float32),
+            "fc1_bias": const((L, H), 0.0),
             "fc2": normal((L, H, D), out_std),
-            "fc2_bias": jnp.zeros((L, D), jnp.float32),
+            "fc2_bias": const((L, D), 0.0),
         },
-        "lnf_scale": jnp.ones((D,), jnp.float32),
-        "lnf_bias": jnp.zeros((D,), jnp.float32),
+        "lnf_scale": const((D,), 1.0),
+        "lnf_bias": const((D,), 0.0),
         "head": normal((D, cfg.vocab), std),
     }
 
