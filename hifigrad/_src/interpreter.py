@@ -75,6 +75,22 @@ class Interpreter:
         self.policy = policy
         self.table = table
         self._flag_cache: dict = {}
+        self._frames: list = []  # (jaxpr, env) of the jaxprs being evaluated, innermost last
+
+    def lookup(self, var):
+        """The current value of `var` in the innermost jaxpr being evaluated."""
+        return var.val if compat.is_literal(var) else self._frames[-1][1][var]
+
+    def producer(self, var):
+        """The equation of the innermost jaxpr being evaluated that defines `var` (or None)."""
+        jaxpr = self._frames[-1][0]
+        key = id(jaxpr)
+        prod = self._producers.get(key) if hasattr(self, "_producers") else None
+        if prod is None:
+            self._producers = getattr(self, "_producers", {})
+            prod = {v: e for e in jaxpr.eqns for v in e.outvars}
+            self._producers[key] = prod
+        return None if compat.is_literal(var) else prod.get(var)
 
     # ---------------------------------------------------------------- dtypes
     def up(self, dtype):
@@ -121,6 +137,13 @@ class Interpreter:
         for v, a, f in zip(jaxpr.invars, args, flags):
             write(v, a, f)
 
+        self._frames.append((jaxpr, env))
+        try:
+            return self._eval_eqns(jaxpr, env, fenv, read, write)
+        finally:
+            self._frames.pop()
+
+    def _eval_eqns(self, jaxpr, env, fenv, read, write):
         table = self.table
         for eqn in jaxpr.eqns:
             invals, inflags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
