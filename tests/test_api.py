@@ -377,3 +377,15 @@ def test_grad_errors_mirror_jax():
         hg.grad(lambda x: jnp.sum(x).astype(jnp.float32))(jnp.ones(2, jnp.int32))
     with pytest.raises(TypeError, match="real-valued outputs"):
         hg.grad(lambda x: jnp.sum(x).astype(jnp.int32))(jnp.ones(2))
+
+
+def test_second_order(maybe_jit):
+    """hg.grad of hg.grad (the backward program, holding staged up-casts, is differentiated)."""
+    f = lambda x: jnp.sum(jnp.tanh(x * 2).astype(jnp.float32) ** 2)
+    x = jnp.linspace(-1, 1, 4)
+    h = maybe_jit(hg.grad(lambda x: jnp.sum(hg.grad(f)(x))))(x)
+    want = jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))(x)
+    np.testing.assert_allclose(h, want, rtol=1e-5)
+    hb = maybe_jit(hg.grad(lambda x: jnp.sum(hg.grad(f)(x))))(x.astype(jnp.bfloat16))
+    assert hb.dtype == jnp.float32
+    np.testing.assert_allclose(hb, want, rtol=0.05, atol=0.05)

@@ -33,7 +33,9 @@ compat.register_impl_and_lowering(upcast_p, _upcast_impl, _upcast_abstract_eval)
 
 def _upcast_jvp(primals, tangents, *, new_dtype):
     (x,), (t,) = primals, tangents
-    out = upcast_p.bind(x, new_dtype=new_dtype)
+    # The primal is a plain convert: staging it would leave a linearized primal unknown (this
+    # rule runs when a backward program that holds up-casts is itself differentiated).
+    out = lax.convert_element_type(x, new_dtype)
     if type(t).__name__ == "Zero":
         return out, compat._ad.Zero(out.aval.to_tangent_aval())  # noqa: SLF001
     return out, upcast_p.bind(t, new_dtype=new_dtype)

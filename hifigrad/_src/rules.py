@@ -15,6 +15,7 @@ from jax import lax
 
 from . import compat
 from .interpreter import Interpreter, RuleTable
+from .primitives import upcast_p
 
 __all__ = ["PROMOTE", "promote_rule", "register_rule"]
 
@@ -350,6 +351,7 @@ PROMOTE.register([compat.add_jaxvals_p, compat.sharding_constraint_p, compat.mes
                   compat.psum_p, compat.pvary_p, compat.pcast_p, compat.pbroadcast_p],
                  promote_rule)
 PROMOTE.register(lax.convert_element_type_p, convert_rule)
+PROMOTE.register(upcast_p, promote_rule)  # a backward that is itself differentiated
 PROMOTE.register(compat.primitives_named(["scatter", "scatter-add", "scatter_add", "scatter_mul",
                                           "scatter_min", "scatter_max", "scatter_sub"]),
                  scatter_rule)

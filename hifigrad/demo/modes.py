@@ -22,7 +22,8 @@ from jax import lax
 
 from . import model as M
 
-__all__ = ["MODES", "MODE_NAMES", "Mode", "ModeFns", "MissingAPI", "build", "get_mode"]
+__all__ = ["MODES", "MODE_NAMES", "Mode", "ModeFns", "MissingAPI", "build", "get_mode",
+           "remat_blocks_vjp"]
 
 # Dynamic loss scaling, the standard scheme (as in NVIDIA Apex / torch.amp's GradScaler).
 LOSS_SCALE_INIT = 2.0**15
@@ -74,27 +75,27 @@ MODES: tuple[Mode, ...] = (
                      "accumulation (Policy(matmul='fast')), f32 elsewhere."),
     Mode("fp16", "fp16 jax.grad", jnp.float16,
          description="fp16 forward; jax.grad backward in fp16, no loss scaling."),
-    Mode("fp16-ls", "fp16 jax.grad + loss scaling", jnp.float16, loss_scaling=True,
+    Mode("fp16-ls", "fp16 jax.grad loss-scaled", jnp.float16, loss_scaling=True,
          description="fp16 forward; jax.grad backward in fp16 with dynamic loss scaling "
                      "(scale 2^15, halved and the step skipped on non-finite gradients, "
                      "doubled after 200 good steps)."),
     Mode("fp16-hg", "fp16 hg", jnp.float16, grad="hg", counterpart="fp16",
          description="fp16 forward; hifigrad backward in f32, no loss scaling."),
-    Mode("fp8-seed", "fp8 saved, fp8 grads (seed)", jnp.bfloat16, saved="fp8-seed",
+    Mode("fp8-seed", "fp8 act, fp8 grad (seed)", jnp.bfloat16, saved="fp8-seed",
          description="bf16 blocks in a remat scan whose carries are fp8 e4m3 (delayed scaling); "
                      "the seed issue's quantize/dequantize custom_vjp, whose backward casts the "
                      "gradient to fp8 e4m3 too."),
-    Mode("fp8-hg", "fp8 saved, f32 grads (hg)", jnp.bfloat16, grad="hg", saved="fp8_e4m3",
+    Mode("fp8-hg", "fp8 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="fp8_e4m3",
          counterpart="fp8-seed",
          description="bf16 forward; hifigrad.scan saves each block's input as fp8 e4m3 and "
                      "recomputes the block in an f32 backward."),
-    Mode("int8-hg", "int8 saved, f32 grads (hg)", jnp.bfloat16, grad="hg", saved="int8",
+    Mode("int8-hg", "int8 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="int8",
          counterpart="fp8-seed",
          description="as fp8-hg, saving int8 (per-group absmax) block inputs."),
-    Mode("int4-hg", "int4 saved, f32 grads (hg)", jnp.bfloat16, grad="hg", saved="int4",
+    Mode("int4-hg", "int4 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="int4",
          counterpart="fp8-seed",
          description="as fp8-hg, saving int4 (per-group, stochastic rounding) block inputs."),
-    Mode("int2-hg", "int2 saved, f32 grads (hg)", jnp.bfloat16, grad="hg", saved="int2",
+    Mode("int2-hg", "int2 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="int2",
          counterpart="fp8-seed",
          description="as fp8-hg, saving int2 (per-group, stochastic rounding) block inputs."),
 )
@@ -126,11 +127,14 @@ class ModeFns:
         should be applied (False only for a loss-scaled step with non-finite gradients).
       vjp_for_memory: ``(params, state, batch) -> vjp_fn``: the pullback the mode's backward
         uses, whose pytree leaves are the residuals saved for it.
+      blocks_vjp_for_memory: ``(params, state, x) -> vjp_fn``: the same for the scan over
+        blocks alone, from its input ``x`` (the embeddings, in the compute dtype).
     """
 
     init_state: Callable[[], Any]
     value_and_grad: Callable[..., tuple]
     vjp_for_memory: Callable[..., Any]
+    blocks_vjp_for_memory: Callable[..., Any]
 
 
 # ------------------------------------------------------------------------------ hifigrad APIs
@@ -281,30 +285,52 @@ def build(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
     def loss(params, batch):
         return M.loss_fn(cfg, params, batch, dt, run_blocks)
 
+    def blocks(x, stacked):
+        return run_blocks(functools.partial(M.block, cfg), x, stacked)
+
     if mode.grad == "hg":
         hg = _hg()
         policy = _policy(mode)
         vg = hg.value_and_grad(loss, policy=policy)
-
-        def vjp_for_memory(params, state, batch):
-            return hg.vjp(lambda p: loss(p, batch), params, policy=policy)[1]
+        vjp = functools.partial(hg.vjp, policy=policy)
     else:
         vg = jax.value_and_grad(loss)
+        vjp = jax.vjp
 
-        def vjp_for_memory(params, state, batch):
-            return jax.vjp(lambda p: loss(p, batch), params)[1]
+    def vjp_for_memory(params, state, batch):
+        return vjp(lambda p: loss(p, batch), params)[1]
+
+    def blocks_vjp_for_memory(params, state, x):
+        return vjp(blocks, x, params["blocks"])[1]
 
     if mode.loss_scaling:
         return ModeFns(init_state=_init_loss_scale,
                        value_and_grad=functools.partial(_loss_scaled_vg, loss),
-                       vjp_for_memory=vjp_for_memory)
+                       vjp_for_memory=vjp_for_memory,
+                       blocks_vjp_for_memory=blocks_vjp_for_memory)
 
     def value_and_grad(params, state, batch):
         value, grads = vg(params, batch)
         return value, grads, state, _true()
 
     return ModeFns(init_state=dict, value_and_grad=value_and_grad,
-                   vjp_for_memory=vjp_for_memory)
+                   vjp_for_memory=vjp_for_memory, blocks_vjp_for_memory=blocks_vjp_for_memory)
+
+
+def remat_blocks_vjp(cfg: M.ModelConfig):
+    """A memory reference that is not a mode: the pullback of a `jax.checkpoint` scan over the
+    blocks (``nothing_saveable``: only each block's input carry is saved, uncompressed).
+    ``(params, state, x) -> vjp_fn``, like `ModeFns.blocks_vjp_for_memory`."""
+
+    def run_blocks(x, stacked):
+        body = jax.checkpoint(lambda c, p: (M.block(cfg, c, p), None),
+                              policy=jax.checkpoint_policies.nothing_saveable)
+        return lax.scan(body, x, stacked)[0]
+
+    def blocks_vjp_for_memory(params, state, x):
+        return jax.vjp(run_blocks, x, params["blocks"])[1]
+
+    return blocks_vjp_for_memory
 
 
 def _init_loss_scale() -> dict:
@@ -349,5 +375,13 @@ def _build_seed(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
     def vjp_for_memory(params, meta, batch):
         return jax.vjp(lambda p, m: loss(p, m, batch), params, meta)[1]
 
+    def blocks_vjp_for_memory(params, meta, x):
+        def blocks(x, stacked, meta):
+            run = _seed_run_blocks(meta, quantize, dequantize)
+            return run(functools.partial(M.block, cfg), x, stacked)
+
+        return jax.vjp(blocks, x, params["blocks"], meta)[1]
+
     return ModeFns(init_state=lambda: _seed_init_meta(cfg.n_layers),
-                   value_and_grad=value_and_grad, vjp_for_memory=vjp_for_memory)
+                   value_and_grad=value_and_grad, vjp_for_memory=vjp_for_memory,
+                   blocks_vjp_for_memory=blocks_vjp_for_memory)

@@ -254,6 +254,8 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         if name in cfg.modes:
             row["residual_bytes"] = saved_residual_bytes(fns.vjp_for_memory, params0, state0,
                                                          batch0)
+            row["block_residual_bytes"] = saved_residual_bytes(
+                fns.blocks_vjp_for_memory, params0, state0, _block_input(cfg, mode))
         jobs[name] = (fns, state0, compiles.submit(fns.value_and_grad, params0, state0, batch0))
 
     rep.stage("compiling")
@@ -278,6 +280,8 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
 
     _add_gaps(rows, cfg.steps)
     update_mem = update.memory_analysis()
+    remat_bf16 = saved_residual_bytes(MD.remat_blocks_vjp(mcfg), params0, {},
+                                      _block_input(cfg, MD.get_mode("bf16")))
     return {
         "config": dataclasses.asdict(cfg),
         "environment": _environment(),
@@ -287,6 +291,7 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         "modes": rows,
         "optimizer_temp_bytes": None if update_mem is None else int(
             update_mem.temp_size_in_bytes),
+        "remat_bf16_block_residual_bytes": remat_bf16,
         "wall_s": time.perf_counter() - t_start,
     }
 
@@ -324,6 +329,10 @@ class _Compiler:
 
     def close(self):
         self.pool.shutdown()
+
+
+def _block_input(cfg: DemoConfig, mode: MD.Mode) -> jax.Array:
+    return jnp.zeros((cfg.batch_size, cfg.seq_len, cfg.d_model), mode.dtype)
 
 
 def _base_row(mode: MD.Mode) -> dict:

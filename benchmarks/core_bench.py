@@ -1,0 +1,400 @@
+"""Core benchmark (issue 2): `hg.grad` vs `jax.grad` on a 12-block scanned transformer.
+
+Rows (all differentiate the same loss with respect to float32 master parameters, which the
+model casts to its compute dtype inside):
+
+* ``jax.grad f32``      -- the float32 model under `jax.grad` (the reference for SQNR);
+* ``jax.grad bf16``     -- the bfloat16 model under `jax.grad` (a bf16 backward);
+* ``hg.grad bf16 exact``-- the bfloat16 model under `hg.grad`, ``Policy(matmul='exact')``;
+* ``hg.grad bf16 fast`` -- the same with ``Policy(matmul='fast')`` ("not implemented" if the
+  policy raises ImportError);
+* ``hg.grad f32``       -- the float32 model under `hg.grad` (tangent dtype == primal dtype).
+
+Columns: compile time (lower + compile of ``jax.jit(grad)`` after ``jax.clear_caches()``,
+median of ``--compiles`` fresh compiles), step time (median of ``--steps`` timed calls after
+warm-up, rows interleaved round by round so that load changes hit all rows alike), peak temp
+bytes (``compile().memory_analysis().temp_size_in_bytes``), saved-residual bytes (the leaves of
+``jax.vjp(loss, params)[1]`` / ``hg.vjp(loss, params)[1]``) and gradient SQNR vs the f32 row.
+
+Run from the repository root::
+
+    PYTHONPATH=. python benchmarks/core_bench.py
+
+It writes ``benchmarks/results/core_cpu.md`` and ``core_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hifigrad as hg  # noqa: E402
+from _common import (env_info, fmt_bytes, fmt_db, is_input, md_table, nbytes,  # noqa: E402
+                     residual_leaves, sqnr_db, write_json)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----------------------------------------------------------------------------- the model
+
+def init_params(key, *, blocks, d, vocab, mlp):
+    ks = jax.random.split(key, 8)
+
+    def normal(k, shape, std):
+        return (jax.random.normal(k, shape, jnp.float32) * std).astype(jnp.float32)
+
+    L = blocks
+    stack = {
+        "ln1_g": jnp.ones((L, d)), "ln1_b": jnp.zeros((L, d)),
+        "wqkv": normal(ks[0], (L, d, 3 * d), d ** -0.5),
+        "wo": normal(ks[1], (L, d, d), (d ** -0.5) / math.sqrt(2 * L)),
+        "ln2_g": jnp.ones((L, d)), "ln2_b": jnp.zeros((L, d)),
+        "w1": normal(ks[2], (L, d, mlp * d), d ** -0.5),
+        "b1": jnp.zeros((L, mlp * d)),
+        "w2": normal(ks[3], (L, mlp * d, d), (mlp * d) ** -0.5 / math.sqrt(2 * L)),
+        "b2": jnp.zeros((L, d)),
+    }
+    return {
+        "embed": normal(ks[4], (vocab, d), 1.0),
+        "pos": normal(ks[5], (1, 4096, d), 0.02),
+        "blocks": stack,
+        "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)),
+        "unembed": normal(ks[6], (d, vocab), d ** -0.5),
+    }
+
+
+def layer_norm(x, g, b, eps=1e-5):
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * lax.rsqrt(var + jnp.asarray(eps, x.dtype)) * g + b
+
+
+def block(x, p, *, heads):
+    """Pre-LN transformer block: x + attn(ln1(x)); x + mlp(ln2(x)). Everything in x.dtype."""
+    B, T, d = x.shape
+    hd = d // heads
+    h = layer_norm(x, p["ln1_g"], p["ln1_b"])
+    qkv = h @ p["wqkv"]
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    q, k, v = (t.reshape(B, T, heads, hd) for t in (q, k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(hd ** -0.5, x.dtype)
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.where(mask, s, jnp.asarray(-1e4, x.dtype))
+    a = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, T, d)
+    x = x + o @ p["wo"]
+    h = layer_norm(x, p["ln2_g"], p["ln2_b"])
+    h = jax.nn.gelu(h @ p["w1"] + p["b1"])
+    return x + h @ p["w2"] + p["b2"]
+
+
+def make_loss(dtype, heads):
+    def loss(params, tokens, targets):
+        p = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+        T = tokens.shape[1]
+        x = p["embed"][tokens] + p["pos"][:, :T]
+
+        def body(c, bp):
+            return block(c, bp, heads=heads), None
+
+        x, _ = lax.scan(body, x, p["blocks"])
+        x = layer_norm(x, p["lnf_g"], p["lnf_b"])
+        logits = (x @ p["unembed"]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
+        return jnp.mean(nll)
+
+    return loss
+
+
+# ----------------------------------------------------------------------------- rows
+
+ROWS = [
+    # name, kind, compute dtype, policy
+    ("jax.grad f32", "jax", jnp.float32, None),
+    ("jax.grad bf16", "jax", jnp.bfloat16, None),
+    ("hg.grad bf16 exact", "hg", jnp.bfloat16, "exact"),
+    ("hg.grad bf16 fast", "hg", jnp.bfloat16, "fast"),
+    ("hg.grad f32", "hg", jnp.float32, "exact"),
+]
+
+
+def make_grad(kind, dtype, matmul, heads):
+    loss = make_loss(dtype, heads)
+    if kind == "jax":
+        return loss, jax.grad(loss)
+    return loss, hg.grad(loss, policy=hg.Policy(matmul=matmul))
+
+
+def _short(e, n=160):
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return msg if len(msg) <= n else msg[:n] + "..."
+
+
+def compile_once(g, args):
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    compiled = jax.jit(g).lower(*args).compile()
+    return time.perf_counter() - t0, compiled
+
+
+def residual_bytes(kind, loss, params, args_rest, policy):
+    f = functools.partial(loss, tokens=args_rest[0], targets=args_rest[1])
+    if kind == "jax":
+        _, vjp_fn = jax.vjp(f, params)
+    else:
+        _, vjp_fn = hg.vjp(f, params, policy=policy)
+    leaves = residual_leaves(vjp_fn)
+    inputs = jax.tree_util.tree_leaves(params) + list(args_rest)
+    total = sum(nbytes(x) for x in leaves)
+    non_input = sum(nbytes(x) for x in leaves if not is_input(x, inputs))
+    by_dtype: dict = {}
+    for x in leaves:
+        by_dtype[str(x.dtype)] = by_dtype.get(str(x.dtype), 0) + nbytes(x)
+    return total, non_input, by_dtype
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--mlp", type=int, default=4)
+    ap.add_argument("--compiles", type=int, default=3, help="fresh compiles per row (median)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "core_cpu"),
+                    help="output path without extension (.md and .json are written)")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    env = env_info([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
+
+    key = jax.random.key(0)
+    params = init_params(key, blocks=args.blocks, d=args.d, vocab=args.vocab, mlp=args.mlp)
+    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, args.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    call_args = (params, tokens, targets)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    print(f"model: {args.blocks} blocks, d={args.d}, heads={args.heads}, seq={args.seq}, "
+          f"batch={args.batch}, vocab={args.vocab}, {n_params/1e6:.2f}M params; jax {jax.__version__}",
+          flush=True)
+
+    rows = {}
+    for name, kind, dtype, matmul in ROWS:
+        loss, g = make_grad(kind, dtype, matmul, args.heads)
+        rows[name] = {"name": name, "kind": kind, "dtype": jnp.dtype(dtype).name,
+                      "matmul": matmul, "loss": loss, "g": g, "compile_s": [], "status": "ok"}
+
+    # Compile times: fresh compiles, rows interleaved round by round.
+    for rep in range(max(1, args.compiles)):
+        for r in rows.values():
+            if r["status"] != "ok":
+                continue
+            try:
+                dt, compiled = compile_once(r["g"], call_args)
+            except (ImportError, ModuleNotFoundError) as e:
+                r["status"] = f"not implemented ({type(e).__name__}: {e})"
+                print(f"[{r['name']}] {r['status']}", flush=True)
+                continue
+            except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
+                r["status"] = f"compile error ({type(e).__name__}: {_short(e)})"
+                print(f"[{r['name']}] {r['status']}", flush=True)
+                continue
+            r["compile_s"].append(dt)
+            r["compiled"] = compiled
+            print(f"[{r['name']}] compile {rep}: {dt:.2f}s", flush=True)
+
+    for r in [r for r in rows.values() if r["status"] == "ok"]:
+        ma = r["compiled"].memory_analysis()
+        r["temp_bytes"] = int(ma.temp_size_in_bytes)
+        r["arg_bytes"] = int(ma.argument_size_in_bytes)
+        r["out_bytes"] = int(ma.output_size_in_bytes)
+        try:
+            grads = r["compiled"](*call_args)
+            jax.block_until_ready(grads)
+        except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
+            r["status"] = f"runtime error ({type(e).__name__}: {_short(e)})"
+            print(f"[{r['name']}] {r['status']}", flush=True)
+            continue
+        r["grads"] = grads
+        r["grad_dtypes"] = sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(grads)})
+        for _ in range(args.warmup - 1):
+            jax.block_until_ready(r["compiled"](*call_args))
+
+    # Step times: rows interleaved round by round.
+    live = [r for r in rows.values() if r["status"] == "ok"]
+    for r in live:
+        r["step_s"] = []
+    for _ in range(args.steps):
+        for r in live:
+            t0 = time.perf_counter()
+            jax.block_until_ready(r["compiled"](*call_args))
+            r["step_s"].append(time.perf_counter() - t0)
+
+    ref = rows["jax.grad f32"]["grads"]
+    for r in live:
+        r["sqnr_db"] = sqnr_db(ref, r["grads"])
+        policy = hg.Policy(matmul=r["matmul"]) if r["kind"] == "hg" else None
+        r["res_bytes"], r["res_non_input_bytes"], r["res_by_dtype"] = residual_bytes(
+            r["kind"], r["loss"], params, (tokens, targets), policy)
+        r["compile_med"] = statistics.median(r["compile_s"])
+        r["step_med"] = statistics.median(r["step_s"])
+        print(f"[{r['name']}] step {r['step_med']*1e3:.1f} ms  temp {fmt_bytes(r['temp_bytes'])}  "
+              f"residuals {fmt_bytes(r['res_bytes'])}  SQNR {fmt_db(r['sqnr_db'])} dB", flush=True)
+
+    # ------------------------------------------------------------------ ratios and targets
+    def get(name, field):
+        r = rows[name]
+        return r.get(field) if r["status"] == "ok" else None
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    ratios = {
+        "compile hg bf16 exact / jax bf16": ratio(get("hg.grad bf16 exact", "compile_med"),
+                                                  get("jax.grad bf16", "compile_med")),
+        "compile hg bf16 fast / jax bf16": ratio(get("hg.grad bf16 fast", "compile_med"),
+                                                 get("jax.grad bf16", "compile_med")),
+        "compile hg f32 / jax f32": ratio(get("hg.grad f32", "compile_med"),
+                                          get("jax.grad f32", "compile_med")),
+        "step hg f32 / jax f32": ratio(get("hg.grad f32", "step_med"),
+                                       get("jax.grad f32", "step_med")),
+        "temp hg f32 / jax f32": ratio(get("hg.grad f32", "temp_bytes"),
+                                       get("jax.grad f32", "temp_bytes")),
+        "temp hg bf16 exact / jax bf16": ratio(get("hg.grad bf16 exact", "temp_bytes"),
+                                               get("jax.grad bf16", "temp_bytes")),
+        "temp hg bf16 fast / jax bf16": ratio(get("hg.grad bf16 fast", "temp_bytes"),
+                                              get("jax.grad bf16", "temp_bytes")),
+        "temp jax f32 / jax bf16": ratio(get("jax.grad f32", "temp_bytes"),
+                                         get("jax.grad bf16", "temp_bytes")),
+        "residuals hg bf16 exact / jax bf16": ratio(get("hg.grad bf16 exact", "res_bytes"),
+                                                    get("jax.grad bf16", "res_bytes")),
+        "residuals hg f32 / jax f32": ratio(get("hg.grad f32", "res_bytes"),
+                                            get("jax.grad f32", "res_bytes")),
+        "residuals jax f32 / jax bf16": ratio(get("jax.grad f32", "res_bytes"),
+                                              get("jax.grad bf16", "res_bytes")),
+        "step jax bf16 / jax f32": ratio(get("jax.grad bf16", "step_med"),
+                                         get("jax.grad f32", "step_med")),
+        "step hg bf16 exact / jax bf16": ratio(get("hg.grad bf16 exact", "step_med"),
+                                               get("jax.grad bf16", "step_med")),
+    }
+
+    targets = []
+
+    def target(desc, value, ok, rows_used=()):
+        if value is None:
+            why = "; ".join(f"{n}: {rows[n]['status'].split(' (')[0]}" for n in rows_used
+                            if rows[n]["status"] != "ok")
+            targets.append({"target": desc, "value": "n/a", "result": f"NOT MEASURED ({why})"})
+        else:
+            targets.append({"target": desc, "value": value, "result": "PASS" if ok else "FAIL"})
+
+    for label, key_, used in (
+            ("hg bf16 exact / jax bf16", "compile hg bf16 exact / jax bf16",
+             ("hg.grad bf16 exact", "jax.grad bf16")),
+            ("hg bf16 fast / jax bf16", "compile hg bf16 fast / jax bf16",
+             ("hg.grad bf16 fast", "jax.grad bf16")),
+            ("hg f32 / jax f32", "compile hg f32 / jax f32", ("hg.grad f32", "jax.grad f32"))):
+        v = ratios[key_]
+        target(f"compile-time ratio {label} <= 1.5", None if v is None else f"{v:.2f}",
+               v is not None and v <= 1.5, used)
+    f32_rows = ("hg.grad f32", "jax.grad f32")
+    v = ratios["step hg f32 / jax f32"]
+    target("same dtype (f32): step time hg within 5% of jax",
+           None if v is None else f"{v:.3f}", v is not None and abs(v - 1) <= 0.05, f32_rows)
+    a, b = get("hg.grad f32", "temp_bytes"), get("jax.grad f32", "temp_bytes")
+    target("same dtype (f32): identical temp memory",
+           None if a is None or b is None else f"{a} vs {b} bytes",
+           a is not None and a == b, f32_rows)
+    for label, key_ in (("exact", "temp hg bf16 exact / jax bf16"),
+                        ("fast", "temp hg bf16 fast / jax bf16")):
+        v = ratios[key_]
+        target(f"bf16 temp memory hg ({label}) <= 1.1x jax.grad bf16",
+               None if v is None else f"{v:.3f}", v is not None and v <= 1.1,
+               (f"hg.grad bf16 {label}", "jax.grad bf16"))
+
+    # ------------------------------------------------------------------ report
+    headers = ["row", "compile (s)", "step (ms)", "peak temp", "saved residuals",
+               "residuals excl. inputs", "grad SQNR vs f32 (dB)", "grad dtype"]
+    table = []
+    for r in rows.values():
+        if r["status"] != "ok":
+            table.append([r["name"], r["status"].replace("|", "/")] + ["-"] * (len(headers) - 2))
+            continue
+        comp = r["compile_s"]
+        table.append([
+            r["name"],
+            f"{r['compile_med']:.2f} (n={len(comp)})",
+            f"{r['step_med']*1e3:.1f}",
+            fmt_bytes(r["temp_bytes"]),
+            fmt_bytes(r["res_bytes"]),
+            fmt_bytes(r["res_non_input_bytes"]),
+            "reference" if r["name"] == "jax.grad f32" else fmt_db(r["sqnr_db"]),
+            "/".join(r["grad_dtypes"]),
+        ])
+    ratio_rows = [[k, "-" if v is None else f"{v:.3f}"] for k, v in ratios.items()]
+    target_rows = [[t["target"], t["value"], t["result"]] for t in targets]
+    elapsed = time.perf_counter() - t_start
+
+    md = [
+        "# Core benchmark (issue 2): hg.grad vs jax.grad, 12-block scanned transformer, CPU",
+        "",
+        f"- date: {env['date']}",
+        f"- command: `{env['command']}` (from the repository root)",
+        f"- jax {env['jax']}, jaxlib {env['jaxlib']}, Python {env['python']}, backend "
+        f"{env['backend']}",
+        f"- CPU: {env['cpu']}",
+        f"- model: {args.blocks} pre-LN blocks (attention with {args.heads} heads + GELU MLP "
+        f"x{args.mlp}), d={args.d}, seq={args.seq}, batch={args.batch}, vocab={args.vocab}, "
+        f"{n_params/1e6:.2f}M float32 master params cast to the compute dtype inside the loss; "
+        f"block params stacked and applied with `lax.scan`; loss in float32.",
+        f"- compile: median of {args.compiles} fresh `jax.jit(grad).lower(...).compile()` "
+        f"(after `jax.clear_caches()`); step: median of {args.steps} calls after "
+        f"{args.warmup} warm-up, rows interleaved; total run {elapsed:.0f}s.",
+        "",
+        md_table(headers, table),
+        "",
+        "## Ratios",
+        "",
+        md_table(["ratio", "value"], ratio_rows),
+        "",
+        "## Targets (issue 2)",
+        "",
+        md_table(["target", "measured", "result"], target_rows),
+        "",
+        "Notes: on CPU XLA converts bf16 for most ops, so bf16 rows run slower than f32 and their "
+        "temp memory says little about a GPU; saved-residual bytes are the CPU-independent "
+        "memory measure. 'saved residuals' counts every leaf of the vjp function once (for the "
+        "f32 rows this includes the parameters themselves, which are saved by reference); "
+        "'excl. inputs' drops leaves that are (or equal) the parameters/tokens.",
+    ]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    json_rows = []
+    for r in rows.values():
+        json_rows.append({k: v for k, v in r.items()
+                          if k not in ("loss", "g", "compiled", "grads")})
+    write_json(args.out + ".json", {"env": env, "config": vars(args), "rows": json_rows,
+                                    "ratios": ratios, "targets": targets,
+                                    "elapsed_s": elapsed})
+    print("\n".join(md))
+    print(f"\nwrote {args.out}.md and {args.out}.json")
+
+
+if __name__ == "__main__":
+    main()
