@@ -20,6 +20,17 @@ try:
 except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0+unknown"
 
+
+
+def __getattr__(name):
+    # `hifigrad.flax` needs Flax, an optional dependency: imported on first use.
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module(".flax", __name__)
+    raise AttributeError(f"module 'hifigrad' has no attribute {name!r}")
+
+
 __all__ = [
     "Policy",
     "checkpoint",

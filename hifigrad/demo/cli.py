@@ -153,6 +153,11 @@ def _run_demo(config, out: Path, argv: list[str]) -> int:
         console.print(f" • {c}", highlight=False)
     console.print(f"Wrote {', '.join(p.name for p in paths)} to {out}/ "
                   f"(run took {results['wall_s']:.0f} s)")
+    failed = [r["name"] for r in results["modes"] if r["status"] == "failed"]
+    if failed:
+        print(f"{PROG} demo: error: mode(s) failed: {', '.join(failed)} (see {out}/report.md)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -215,5 +220,6 @@ class _RichReporter:
         if row["status"] == "ok":
             self.progress.update(task, description=f"{mode.label}: done")
         else:
-            self.progress.update(task, description=f"{mode.label}: skipped ({row['reason']})",
+            reason = row["reason"] if len(row["reason"]) < 70 else row["reason"][:67] + "..."
+            self.progress.update(task, description=f"{mode.label}: {row['status']} ({reason})",
                                  total=1, completed=1)

@@ -61,7 +61,7 @@ def table_rows(results: dict) -> list[list[str]]:
     rows = []
     for r in results["modes"]:
         if r["status"] != "ok":
-            rows.append([r["label"], "skipped"] + [""] * (len(TABLE_COLUMNS) - 2))
+            rows.append([r["label"], r["status"]] + [""] * (len(TABLE_COLUMNS) - 2))
             continue
         is_ref = r["name"] == "f32"
         rows.append([
@@ -173,7 +173,8 @@ def conclusions(results: dict) -> list[str]:
                    f"{results['environment']['backend']}.")
     skipped = [r for r in results["modes"] if r["status"] != "ok"]
     for r in skipped:
-        out.append(f"{r['label']} was not run: {r['reason']}.")
+        what = "failed" if r["status"] == "failed" else "was not run"
+        out.append(f"{r['label']} {what}: {r['reason']}")
     return out
 
 

@@ -52,7 +52,7 @@ class DemoConfig:
     n_layers: int = 4
     d_model: int = 64
     n_heads: int = 4
-    seq_len: int = 128
+    seq_len: int = 64
     batch_size: int = 8
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -62,6 +62,8 @@ class DemoConfig:
     corpus_bytes: int = 4_000_000
     seed: int = 0
     devices: int = 1
+    # XLA's backend (LLVM) optimisation level on CPU: compile time is most of a short run there.
+    cpu_opt_level: int = 1
 
     def __post_init__(self):
         for name in ("steps", "n_layers", "d_model", "n_heads", "seq_len", "batch_size",
@@ -87,7 +89,7 @@ class DemoConfig:
 # A tiny configuration for tests and a first look: the whole run within a minute on 2 CPU cores.
 QUICK = DemoConfig(steps=30, n_layers=2, d_model=32, n_heads=2, seq_len=32, batch_size=8,
                    learning_rate=3e-3, warmup_steps=5, eval_every=10, val_batches=2,
-                   corpus_bytes=1_000_000)
+                   corpus_bytes=1_000_000, cpu_opt_level=0)
 
 
 class Reporter:
@@ -203,7 +205,8 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
     threads, then each mode is trained in turn (so step times are measured on a quiet machine).
 
     A mode whose hifigrad API is missing from this installation gets a row with
-    ``status="skipped"`` and the reason.
+    ``status="skipped"`` and the reason; one that fails to trace, compile or run gets
+    ``status="failed"`` and the error's first line, and the other modes still run.
     """
     rep = reporter or Reporter()
     cfg = config
@@ -234,7 +237,7 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
     batch0 = train_batches[0]
 
     rep.stage("tracing every mode")
-    compiles = _Compiler()
+    compiles = _Compiler(cfg.cpu_opt_level)
     update_job = compiles.submit(_make_update(tx), params0, opt_state0, params0,
                                  jnp.asarray(True))
     rows, jobs = [], {}
@@ -247,35 +250,50 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         try:
             fns = MD.build(mode, mcfg)
         except MD.MissingAPI as e:
-            row.update(status="skipped", reason=str(e))
-            rep.mode_end(mode, row)
+            _stop(row, "skipped", e, rep)
             continue
-        state0 = fns.init_state()
-        if name in cfg.modes:
-            row["residual_bytes"] = saved_residual_bytes(fns.vjp_for_memory, params0, state0,
-                                                         batch0)
-            row["block_residual_bytes"] = saved_residual_bytes(
-                fns.blocks_vjp_for_memory, params0, state0, _block_input(cfg, mode))
-        jobs[name] = (fns, state0, compiles.submit(fns.value_and_grad, params0, state0, batch0))
+        try:
+            state0 = fns.init_state()
+            if name in cfg.modes:
+                row["residual_bytes"] = saved_residual_bytes(fns.vjp_for_memory, params0,
+                                                             state0, batch0)
+                row["block_residual_bytes"] = saved_residual_bytes(
+                    fns.blocks_vjp_for_memory, params0, state0, _block_input(cfg, mode))
+            job = compiles.submit(fns.value_and_grad, params0, state0, batch0)
+        except Exception as e:  # a mode that cannot be traced is reported, the others run
+            if name == "f32":
+                raise
+            _stop(row, "failed", e, rep)
+            continue
+        jobs[name] = (state0, job)
 
     rep.stage("compiling")
     update = compiles.result(update_job)[0]
-    ref_vg = compiles.result(jobs["f32"][2])[0]  # the f32 reference: gradients and val loss
+    ref_vg = compiles.result(jobs["f32"][1])[0]  # the f32 reference: gradients and val loss
     compiled = {}
-    for name, (_, _, job) in jobs.items():
-        compiled[name] = compiles.result(job)
-        if name in cfg.modes:
-            rep.mode_compiled(MD.get_mode(name), compiled[name][1])
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        try:
+            compiled[row["name"]] = compiles.result(jobs[row["name"]][1])
+        except Exception as e:
+            _stop(row, "failed", e, rep)
+            continue
+        rep.mode_compiled(MD.get_mode(row["name"]), compiled[row["name"]][1])
     compiles.close()
 
     for row in rows:
         if row["status"] != "ok":
             continue
         mode = MD.get_mode(row["name"])
-        fns, state0, _ = jobs[mode.name]
         vg, compile_s = compiled[mode.name]
-        row.update(_train_mode(cfg, mode, vg, compile_s, update, state0, params0, opt_state0,
-                               train_batches, val_batches, eval_steps, ref_vg, rep))
+        try:
+            row.update(_train_mode(cfg, mode, vg, compile_s, update, jobs[mode.name][0],
+                                   params0, opt_state0, train_batches, val_batches,
+                                   eval_steps, ref_vg, rep))
+        except Exception as e:  # e.g. a program XLA compiles but cannot run on this backend
+            _stop(row, "failed", e, rep)
+            continue
         rep.mode_end(mode, row)
 
     _add_gaps(rows, cfg.steps)
@@ -296,20 +314,17 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
     }
 
 
-# On CPU, LLVM's optimisation dominates compile time; level 1 compiles about 40% faster than
-# the default here, and the programs ran as fast and gave bitwise the same losses.
-CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
-
-
 class _Compiler:
     """Traces and lowers in the calling thread, compiles in a small thread pool (XLA releases
     the GIL while compiling). ``result(job)`` is ``(compiled, seconds)``, where seconds covers
     tracing, lowering and compiling (compiles overlap, so they can read a little long)."""
 
-    def __init__(self):
+    def __init__(self, cpu_opt_level: int):
         workers = max(1, min(4, os.cpu_count() or 1))
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, "hifigrad-demo-compile")
-        self.options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+        self.options = None
+        if jax.default_backend() == "cpu":
+            self.options = {"xla_backend_optimization_level": cpu_opt_level}
 
     def submit(self, fun, *args):
         t = time.perf_counter()
@@ -329,6 +344,16 @@ class _Compiler:
 
     def close(self):
         self.pool.shutdown()
+
+
+def _stop(row: dict, status: str, err: Exception, rep: Reporter) -> None:
+    """Marks a mode as skipped or failed, with a one-line reason."""
+    lines = str(err).strip().splitlines()
+    reason = lines[0] if lines else ""
+    if status == "failed":
+        reason = f"{type(err).__name__}: {reason}"
+    row.update(status=status, reason=reason)
+    rep.mode_end(MD.get_mode(row["name"]), row)
 
 
 def _block_input(cfg: DemoConfig, mode: MD.Mode) -> jax.Array:
