@@ -182,7 +182,9 @@ _SHORT = {}
 for _dt in (jnp.float64, jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn,
             jnp.float8_e5m2, jnp.int64, jnp.int32, jnp.uint32, jnp.int16, jnp.uint16, jnp.int8,
             jnp.uint8, jnp.bool_):
-    _SHORT[jax.core.ShapedArray((), _dt).str_short().split("[")[0]] = np.dtype(_dt).itemsize
+    for _short in (True, False):
+        _name = jax.core.ShapedArray((), _dt).str_short(short_dtypes=_short).split("[")[0]
+        _SHORT[_name] = np.dtype(_dt).itemsize
 
 
 def printed_residuals(f, *args):
@@ -203,12 +205,23 @@ def printed_residuals(f, *args):
 
 
 def saved_activations(f, args):
-    """Bytes of the residuals of `f` that are not its inputs, and a listing of them."""
+    """Bytes of the residuals of `f` that are not its inputs, a listing of them, and the
+    shape of the largest."""
     _, vjp_fn = jax.vjp(f, *args)
     inputs = jax.tree_util.tree_leaves(args)
     acts = [x for x in residual_leaves(vjp_fn) if not is_input(x, inputs)]
     listing = [f"{x.dtype}{list(x.shape)}" for x in acts]
-    return sum(nbytes(x) for x in acts), listing
+    largest = max(acts, key=nbytes).shape if acts else None
+    return sum(nbytes(x) for x in acts), listing, largest
+
+
+def hlo_dtypes_of_shape(hlo_text, shape):
+    """The element types with which arrays of `shape` appear in compiled HLO text: shows
+    whether XLA materializes a wider copy (a conversion buffer) of the saved stack."""
+    if shape is None:
+        return []
+    pat = r"\b([a-z][a-z0-9]*)\[" + ",".join(str(int(n)) for n in shape) + r"\]"
+    return sorted(set(re.findall(pat, hlo_text)) - {"tuple"})
 
 
 def carry_cotangent_amax(params, x, y):
@@ -267,14 +280,16 @@ def main(argv=None):
         rows.append(r)
         try:
             scan_fn = scan_fn_for(name)
-            r["act_bytes"], r["act_listing"] = saved_activations(scan_fn, (params["blocks"], x))
+            r["act_bytes"], r["act_listing"], stack_shape = saved_activations(
+                scan_fn, (params["blocks"], x))
             r["printed"], r["printed_bytes"] = printed_residuals(scan_fn, params["blocks"], x)
-            r["step_res_bytes"], _ = saved_activations(loss_for(name, ls), (params, x, y))
+            r["step_res_bytes"], _, _ = saved_activations(loss_for(name, ls), (params, x, y))
             c0 = time.perf_counter()
             compiled = jax.jit(train_step_for(name, ls)).lower(params, x, y).compile()
             r["compile_s"] = time.perf_counter() - c0
             ma = compiled.memory_analysis()
             r["temp_bytes"] = int(ma.temp_size_in_bytes)
+            r["hlo_stack_dtypes"] = hlo_dtypes_of_shape(compiled.as_text(), stack_shape)
             loss, grads, _ = compiled(params, x, y)
             jax.block_until_ready(grads)
             r["loss"] = float(loss)
@@ -351,11 +366,17 @@ def main(argv=None):
             "reference" if r is ref else fmt_db(r.get("sqnr_db")),
             "-" if r.get("zero_grad_fraction") is None else f"{r['zero_grad_fraction']:.1%}",
         ])
+    def printed_summary(lines):
+        if not lines:
+            return "-"
+        arg = [ln for ln in lines if "from the argument" in ln]
+        rest = [ln for ln in lines if "from the argument" not in ln]
+        return "; ".join(rest + [f"(+{len(arg)} lines 'from the argument' = the parameters)"])
+
     listing_rows = [[r["name"], ", ".join(r.get("act_listing") or []) or "-",
-                     "; ".join(r.get("printed") or []).replace("|", "/")[:400]]
-                    for r in rows]
-    checks = [[r["name"], fmt_bytes(r.get("act_bytes")), fmt_bytes(r.get("printed_bytes"))]
-              for r in rows]
+                     printed_summary(r.get("printed")).replace("|", "/")] for r in rows]
+    checks = [[r["name"], fmt_bytes(r.get("act_bytes")), fmt_bytes(r.get("printed_bytes")),
+               ", ".join(r.get("hlo_stack_dtypes") or []) or "-"] for r in rows]
     target_rows = [[t["target"], t["value"], t["result"]] for t in targets]
     elapsed = time.perf_counter() - t_start
 
@@ -387,7 +408,8 @@ def main(argv=None):
                   "print_saved_residuals"], listing_rows),
         "",
         md_table(["variant", "bytes from jax.vjp leaves", "bytes from print_saved_residuals "
-                  "(non-argument lines)"], checks),
+                  "(non-argument lines)", "element types of the saved stack's shape in the "
+                  "compiled train step (HLO)"], checks),
         "",
         "Columns: 'saved activations' = bytes of the residual leaves of "
         "`jax.vjp(scan_fn, block_params, x)[1]` that are not the parameters or the input; "

@@ -132,7 +132,9 @@ def _integer_pow_rule(interp, eqn, invals, inflags):
 
 
 def _div_rule(interp, eqn, invals, inflags):
-    x, y = invals
+    shape = tuple(eqn.outvars[0].aval.shape)
+    x, y = (lax.broadcast_in_dim(v, shape, ()) if np.shape(v) == () and shape != () else v
+            for v in invals)
     if np.shape(x) != np.shape(y):
         return compat.bind_eqn(eqn, invals), [False]
 

@@ -102,7 +102,11 @@ def _config(args):
 
 
 def _prepare_devices(n: int) -> None:
-    """Asks XLA for ``n`` simulated CPU devices if JAX has not started its backends yet."""
+    """Asks XLA for ``n`` simulated CPU devices (used only where JAX has no accelerators).
+
+    Only called when `main` runs as the process's command line, before any computation, so
+    that no backend has started yet and no other code in the process sees the change.
+    """
     if n <= 1:
         return
     flags = os.environ.get("XLA_FLAGS", "")
@@ -112,6 +116,7 @@ def _prepare_devices(n: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hifigrad`` command; returns the exit status."""
+    own_process = argv is None  # the command line, rather than a call from Python code
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     try:
@@ -121,14 +126,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         config = _config(args)
         out = _check_out(args.out)
-        _prepare_devices(config.devices)
+        if own_process:
+            _prepare_devices(config.devices)
         import jax
 
         if jax.device_count() < config.devices:
-            raise UsageError(f"--devices {config.devices}: JAX sees only {jax.device_count()} "
-                             f"device(s) on {jax.default_backend()}")
+            raise UsageError(
+                f"--devices {config.devices}: JAX sees only {jax.device_count()} device(s) on "
+                f"{jax.default_backend()} (on CPU, run `hifigrad demo` as a command, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={config.devices})")
     except UsageError as e:
-        print(f"{PROG} demo: error: {e}", file=sys.stderr)
+        prog = f"{PROG} demo" if argv[:1] == ["demo"] else PROG
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return _run_demo(config, out, argv)
 

@@ -1,0 +1,59 @@
+"""Policy(coefficients='tangent'): each elementwise op's derivative coefficient in f32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hifigrad as hg
+
+OPS = {
+    "tanh": (jnp.tanh, lambda x: 1 - np.tanh(x) ** 2),
+    "logistic": (jax.nn.sigmoid, lambda x: np.exp(-x) / (1 + np.exp(-x)) ** 2),
+    "exp": (jnp.exp, np.exp),
+    "expm1": (jnp.expm1, np.exp),
+    "log": (jnp.log, lambda x: 1 / x),
+    "log1p": (jnp.log1p, lambda x: 1 / (1 + x)),
+    "sin": (jnp.sin, np.cos),
+    "cos": (jnp.cos, lambda x: -np.sin(x)),
+    "sqrt": (jnp.sqrt, lambda x: 0.5 / np.sqrt(x)),
+    "rsqrt": (lax.rsqrt, lambda x: -0.5 * x ** -1.5),
+    "erf": (jax.scipy.special.erf, lambda x: 2 / np.sqrt(np.pi) * np.exp(-x * x)),
+    "integer_pow": (lambda x: x ** 3, lambda x: 3 * x ** 2),
+    "div": (lambda x: 1 / x, lambda x: -1 / x ** 2),
+}
+POSITIVE = {"log", "log1p", "sqrt", "rsqrt", "div"}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_coefficient_in_f32(name, maybe_jit):
+    fn, deriv = OPS[name]
+    lo, hi = (0.5, 2.5) if name in POSITIVE else (-1, 1)
+    x = jnp.linspace(lo, hi, 33).astype(jnp.bfloat16)
+    f = lambda x: jnp.sum(fn(x).astype(jnp.float32))
+    g = maybe_jit(hg.grad(f, policy=hg.Policy(coefficients="tangent")))(x)
+    want = deriv(np.asarray(x, np.float64))
+    # The coefficient is computed in f32 from the bf16-exact input (or the bf16 output): only
+    # f32 rounding, plus the bf16 rounding of the saved output where the coefficient uses it
+    # (tanh, logistic, exp, expm1, sqrt keep y = f(x) rounded to bf16: 2^-9 relative).
+    saves_output = name in ("tanh", "logistic", "exp", "expm1", "sqrt")
+    tol = 2 ** -7 if saves_output else 1e-5
+    np.testing.assert_allclose(np.asarray(g), want, rtol=tol, atol=tol)
+    # The forward is unchanged.
+    v, _ = hg.value_and_grad(f, policy=hg.Policy(coefficients="tangent"))(x)
+    assert np.array_equal(np.asarray(v), np.asarray(f(x)))
+
+
+def test_inside_scan_and_remat(maybe_jit):
+    def f(w, xs):
+        body = jax.checkpoint(lambda c, x: (jnp.tanh(c * w + x), None))
+        return jnp.sum(lax.scan(body, jnp.zeros(4, w.dtype), xs)[0].astype(jnp.float32))
+
+    w = jnp.full(4, 0.7, jnp.bfloat16)
+    xs = jnp.linspace(-1, 1, 24).reshape(6, 4).astype(jnp.bfloat16)
+    pol = hg.Policy(coefficients="tangent")
+    g = maybe_jit(hg.grad(f, policy=pol))(w, xs)
+    g_fwd = hg.grad(f)(w, xs)
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, g_fwd, rtol=2 ** -5)

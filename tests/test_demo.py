@@ -1,0 +1,152 @@
+"""The `hifigrad demo` command: one quick run shared by the tests, and the flag errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import hifigrad
+from hifigrad.__main__ import main
+from hifigrad.demo import MODE_NAMES
+from hifigrad.demo.data import load_corpus, sample_batches
+from hifigrad.demo.train import gradient_sqnr_db
+
+# Each hifigrad row and the plain row it must beat on gradient SQNR (mean over training).
+HG_VS_PLAIN = [
+    ("bf16-hg", "bf16"),
+    ("bf16-hg-fast", "bf16"),
+    ("fp16-hg", "fp16"),
+    ("fp8-hg", "fp8-seed"),
+    ("int8-hg", "fp8-seed"),
+    ("int4-hg", "fp8-seed"),
+    ("int2-hg", "fp8-seed"),
+]
+FILES = ["report.md", "results.json", "loss_curves.png", "grad_sqnr.png", "memory.png"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """Runs ``hifigrad demo --quick`` once, under the suite's strict promotion rules."""
+    out = tmp_path_factory.mktemp("demo")
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        rc = main(["demo", "--quick", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    return rc, out, results, {r["name"]: r for r in results["modes"]}
+
+
+def test_quick_run_succeeds_and_writes_every_file(quick):
+    rc, out, results, _ = quick
+    failed = {r["name"]: r["reason"] for r in results["modes"] if r["status"] != "ok"}
+    assert failed == {}
+    assert rc == 0
+    for name in FILES:
+        assert (out / name).stat().st_size > 0, name
+    for name in FILES[2:]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_quick_run_has_a_row_per_mode_with_finite_figures(quick):
+    _, out, results, rows = quick
+    assert [r["name"] for r in results["modes"]] == list(MODE_NAMES)
+    report = (out / "report.md").read_text()
+    for name, r in rows.items():
+        assert f"| {r['label']} |" in report, name
+        assert len(r["losses"]) == results["config"]["steps"]
+        figures = [*r["losses"], r["val_loss"], r["final_loss"], r["step_ms"], r["compile_s"]]
+        if name != "f32":
+            figures += [r["sqnr_step0_db"], r["sqnr_mean_db"], r["final_gap"], r["mean_abs_gap"]]
+        assert all(isinstance(x, (int, float)) and math.isfinite(x) for x in figures), name
+        assert r["residual_bytes"] > 0 and r["block_residual_bytes"] > 0, name
+        assert r["temp_bytes"] is None or r["temp_bytes"] >= 0, name
+    assert "## Conclusions" in report
+
+
+@pytest.mark.parametrize("hg_mode, plain_mode", HG_VS_PLAIN)
+def test_hg_rows_beat_their_plain_counterpart_on_gradient_sqnr(quick, hg_mode, plain_mode):
+    rows = quick[3]
+    hg_row, plain = rows[hg_mode], rows[plain_mode]
+    assert hg_row["status"] == "ok" and plain["status"] == "ok", (hg_row["reason"], plain["reason"])
+    assert hg_row["counterpart"] == plain_mode
+    assert hg_row["sqnr_mean_db"] > plain["sqnr_mean_db"]
+
+
+def test_compressed_modes_save_less_for_the_blocks(quick):
+    rows, remat = quick[3], quick[2]["remat_bf16_block_residual_bytes"]
+    plain_scan = rows["bf16"]["block_residual_bytes"]
+    for name in ("fp8-seed", "fp8-hg", "int8-hg"):
+        assert rows[name]["block_residual_bytes"] < 0.6 * remat < plain_scan, name
+    assert rows["int4-hg"]["block_residual_bytes"] < rows["fp8-hg"]["block_residual_bytes"]
+    assert rows["int2-hg"]["block_residual_bytes"] < rows["int4-hg"]["block_residual_bytes"]
+
+
+# ------------------------------------------------------------------------------ flag errors
+
+def _one_line_error(capsys, argv) -> str:
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    prefix = "hifigrad demo: error:" if argv[0] == "demo" else "hifigrad: error:"
+    assert lines[0].startswith(prefix) and "Traceback" not in captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["demo", "--modes", "bf16,nope"], "unknown mode 'nope'"),
+    (["demo", "--modes", ","], "no mode given"),
+    (["demo", "--steps", "0"], "must be at least 1"),
+    (["demo", "--steps", "many"], "expected a positive integer"),
+    (["demo", "--layers", "-2"], "must be at least 1"),
+    (["demo", "--frobnicate"], "unrecognized arguments"),
+    (["demo", "--devices", "8"], "--devices 8: JAX sees only"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_flags_get_a_one_line_error(capsys, tmp_path, argv, expected):
+    line = _one_line_error(capsys, [*argv, "--out", str(tmp_path)] if argv[0] == "demo"
+                           else argv)
+    assert expected in line
+
+
+def test_unwritable_out_gets_a_one_line_error(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    line = _one_line_error(capsys, ["demo", "--quick", "--out", str(blocker / "sub")])
+    assert "--out" in line and "cannot write" in line
+
+
+def test_python_m_hifigrad_reports_bad_flags_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "hifigrad", "demo", "--modes", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown mode" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_main_is_the_console_script():
+    assert hifigrad.__main__.main is main
+
+
+# ------------------------------------------------------------------------------ pieces
+
+def test_corpus_is_deterministic_and_split_by_file():
+    a, b = load_corpus(200_000), load_corpus(200_000)
+    assert a.train.dtype == np.uint8 and a.train.size > 100_000 and a.val.size > 0
+    np.testing.assert_array_equal(a.train, b.train)
+    np.testing.assert_array_equal(a.val, b.val)
+    batches = sample_batches(a.train, 3, 2, 16, seed=0)
+    assert batches.shape == (3, 2, 17) and batches.dtype == np.int32
+    np.testing.assert_array_equal(batches, sample_batches(a.train, 3, 2, 16, seed=0))
+
+
+def test_gradient_sqnr():
+    g = np.array([1.0, 2.0, 3.0])
+    assert gradient_sqnr_db(g, g) == math.inf
+    assert gradient_sqnr_db(g * 1.1, g) == pytest.approx(20.0)  # error 10% of the signal
+    assert gradient_sqnr_db(np.array([1.0, np.nan, 3.0]), g) is None
