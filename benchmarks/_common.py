@@ -79,7 +79,7 @@ def cpu_note() -> str:
     except OSError:
         pass
     try:
-        load = "load average %.2f/%.2f/%.2f" % os.getloadavg()
+        load = "load average {:.2f}/{:.2f}/{:.2f}".format(*os.getloadavg())
     except OSError:
         load = "load average n/a"
     return (f"{model}, {os.cpu_count()} logical cores visible ({load} at start; the cores are "
@@ -88,7 +88,7 @@ def cpu_note() -> str:
 
 def env_info(argv) -> dict:
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "PYTHONPATH=. " + " ".join(
             [os.path.basename(sys.executable)] + [shlex.quote(a) for a in argv]),
         "python": platform.python_version(),

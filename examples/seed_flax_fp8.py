@@ -12,7 +12,6 @@ import argparse
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 

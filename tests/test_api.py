@@ -273,8 +273,8 @@ def test_vmap_outside(maybe_jit):
         jnp.float32)), in_axes=(None, 0)))(w, xs)
     assert per_ex.shape == (4, 3) and per_ex.dtype == jnp.float32
     for i in range(4):
-        np.testing.assert_allclose(per_ex[i], hg.grad(lambda w: jnp.sum(jnp.tanh(
-            w * xs[i])).astype(jnp.float32))(w), rtol=1e-6)
+        one = hg.grad(lambda w, x: jnp.sum(jnp.tanh(w * x)).astype(jnp.float32))(w, xs[i])
+        np.testing.assert_allclose(per_ex[i], one, rtol=1e-6)
 
 
 def test_grad_of_mixed_precision_program_is_closer_to_f64_than_jax():

@@ -18,8 +18,9 @@ from hifigrad._src.rules import PROMOTE
 
 
 def _argnums(args):
-    return tuple(i for i, a in enumerate(args)
-                 if all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(a)))
+    def floating(a):
+        return all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(a))
+    return tuple(i for i, a in enumerate(args) if floating(a))
 
 
 def _leaves(t):

@@ -19,12 +19,12 @@ import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
 import numpy as np
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
-from jax._src import linear_util as _lu
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 JAXPR_HOLDS_CONSTS = JAX_VERSION >= (0, 11)
@@ -139,14 +139,14 @@ def aval_of(x):
     return _core.get_aval(x)
 
 
+@contextlib.contextmanager
 def eqn_context(eqn):
-    """The context manager that eval_jaxpr uses to bind an equation: its source info and ctx."""
+    """The context eval_jaxpr binds an equation in: its source info (for error messages and
+    profiles) and its equation context (compute type, mesh, ...)."""
     name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    stack = contextlib.ExitStack()
-    stack.enter_context(_source_info_util.user_context(eqn.source_info.traceback,
-                                                       name_stack=name_stack))
-    stack.enter_context(eqn.ctx.manager)
-    return stack
+    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+            eqn.ctx.manager:
+        yield
 
 
 def bind_eqn(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
@@ -278,7 +278,7 @@ def ensure_tuple(x):
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_is_float0(dtype) -> bool:
     return np.dtype(dtype) == jax.dtypes.float0
 

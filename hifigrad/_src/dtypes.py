@@ -14,7 +14,7 @@ def is_real_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def covers(wide, narrow) -> bool:
     """True when every value of `narrow` is exactly representable in `wide` (both real floats)."""
     wide, narrow = np.dtype(wide), np.dtype(narrow)
@@ -24,7 +24,7 @@ def covers(wide, narrow) -> bool:
     return (fw.nmant >= fn.nmant and fw.maxexp >= fn.maxexp and fw.minexp <= fn.minexp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def promoted_dtype(dtype, tangent_dtype):
     """The dtype a cotangent of a `dtype` value is held in, for a given tangent dtype.
 

@@ -321,7 +321,8 @@ ELEMENTWISE = [
     "neg", "add", "sub", "mul", "div", "rem", "max", "min", "abs", "sign", "floor", "ceil",
     "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
     "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
-    "cbrt", "pow", "integer_pow", "square", "one_minus_square", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "cbrt", "pow", "integer_pow", "square", "one_minus_square", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma",
     "is_finite", "nextafter", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp",
     "reduce_precision", "real", "imag", "conj", "complex", "copy", "copy_p", "stop_gradient",
 ]
@@ -343,7 +344,8 @@ COLLECTIVES = [
 ]
 
 PROMOTE = RuleTable()
-PROMOTE.register(compat.primitives_named(ELEMENTWISE + STRUCTURAL + LINALG + COLLECTIVES), promote_rule)
+PROMOTE.register(compat.primitives_named(ELEMENTWISE + STRUCTURAL + LINALG + COLLECTIVES),
+                 promote_rule)
 PROMOTE.register([compat.add_jaxvals_p, compat.sharding_constraint_p, compat.mesh_cast_p,
                   compat.reshard_p, compat.device_put_p, compat.optimization_barrier_p,
                   compat.debug_callback_p, compat.copy_p, compat.select_and_gather_add_p,
