@@ -40,3 +40,22 @@ def test_fast_backward_uses_low_precision_matmuls():
     # In exact mode every backward dot multiplies f32 operands.
     assert "bf16[8,32] = convert_element_type" not in exact
     assert "bf16[8,32] = convert_element_type" in text
+
+
+def attention_loss(q):
+    """Batched `dot_general`s (attention), the shape XLA's CPU DotThunk cannot run as
+    bf16 x bf16 -> f32: the fast rewrite must still run there."""
+    def body(c, _):
+        s = jnp.einsum("bqhd,bkhd->bhqk", c, c) * 0.25
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), c), None
+    c = lax.scan(body, q, None, length=2)[0]
+    return jnp.sum(c.astype(jnp.float32) ** 2)
+
+
+def test_fast_batched_matmuls_run_on_every_backend(maybe_jit):
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 2, 4)), jnp.bfloat16)
+    exact = hg.grad(attention_loss)(q)
+    fast = maybe_jit(hg.grad(attention_loss, policy=hg.Policy(matmul="fast")))(q)
+    assert fast.dtype == jnp.float32
+    rel = float(jnp.linalg.norm(fast - exact) / jnp.linalg.norm(exact))
+    assert 0 < rel <= 4 * 2 ** -9, rel

@@ -6,6 +6,13 @@ up-cast residual (a `hifigrad_upcast` of a bf16/fp16/fp8 value) to take that res
 dtype, round the other operand to it, and accumulate in float32 through
 ``preferred_element_type``: the tensor-core path on GPUs. Everything else in the backward,
 including all accumulation across ops, stays float32.
+
+XLA's CPU backend cannot run every such mixed-precision dot (a batched bf16 x bf16 -> f32
+`dot_general` fails at run time with "Unsupported element type for DotThunk::Execute"), and has
+no low-precision matmul units to gain from. So the rewrite is staged with
+`lax.platform_dependent`: on CPU the two rounded operands are up-cast and multiplied in float32,
+which gives the same products (a product of two bf16 or fp16 values is exact in float32) and
+float32 accumulation; every other platform gets the low-precision operands.
 """
 
 from __future__ import annotations
@@ -42,9 +49,19 @@ def _fast_rule(interp: Interpreter, eqn, invals, inflags):
     low = np.dtype((lo_l if lo_l is not None else lo_r).dtype)
     a = lo_l if lo_l is not None else lax.convert_element_type(lhs, low)
     b = lo_r if lo_r is not None else lax.convert_element_type(rhs, low)
-    params = dict(eqn.params, preferred_element_type=np.dtype(eqn.outvars[0].aval.dtype))
-    outs = compat.bind_eqn(eqn, [a, b, *invals[2:]], params)
-    return outs, [False] * len(outs)
+    out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
+    params = dict(eqn.params, preferred_element_type=out_dtype)
+    rest = invals[2:]
+
+    def low_operands(a, b, *rest):
+        return compat.bind_eqn(eqn, [a, b, *rest], params)
+
+    def wide_operands(a, b, *rest):  # same products, float32 multiply (CPU)
+        a, b = (lax.convert_element_type(v, out_dtype) for v in (a, b))
+        return compat.bind_eqn(eqn, [a, b, *rest], params)
+
+    outs = lax.platform_dependent(a, b, *rest, cpu=wide_operands, default=low_operands)
+    return list(outs), [False] * len(eqn.outvars)
 
 
 @functools.lru_cache(maxsize=1)
