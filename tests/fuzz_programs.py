@@ -1,13 +1,15 @@
 """A hypothesis generator of random JAX programs, for hifigrad's fuzz tests (`test_fuzz.py`).
 
-A program is Python source text: a factory ``make(DA, DB, DC)`` that returns ``f(x0, x1, ...)``,
-a function of one to three arrays returning a scalar. Every dtype in the program is one of the
-names ``DA``, ``DB``, ``DC`` (or ``F32``), bound when the factory is called: all float32 for the
-comparison with `jax.grad`, a draw from bfloat16 / float16 / float32 for the low-precision
-comparison. Because the program *is* its source, a failing example is printed as code that can be
-pasted into a regression test (see ``Program.__repr__``).
+A program is Python source text: a factory ``make(DA, DB, DC, D8)`` that returns
+``f(x0, x1, ...)`` (or ``f(p)`` of a dict of them), a function of one to three arrays returning a
+scalar. Every dtype in the program is one of the names ``DA``, ``DB``, ``DC``, ``D8`` (or ``F32``),
+bound when the factory is called: all float32 for the comparison with `jax.grad`; for the
+low-precision comparison, each of DA/DB/DC a draw from bfloat16 / float16 / float32 and D8
+float8_e4m3fn (values are rounded through it). Because the program *is* its source, a failing
+example is printed as code that can be pasted into a regression test (see ``Program.__repr__``).
 
-Programs compose elementwise ops, matmuls / einsum / convolution, reductions and cumulative ops,
+Programs compose elementwise ops, matmuls / einsum / convolution, linear solves, FFTs (complex
+intermediates), pooling, reductions and cumulative ops,
 indexing (slices, gathers, scatters, dynamic slices), explicit broadcasting, casts between the
 dtype names, and nested ``lax.scan`` (with xs, length-only, reversed, unrolled, tuple and integer
 carries), ``lax.fori_loop`` with static bounds (reverse-differentiable: it lowers to a scan),
@@ -32,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 DTYPE_NAMES = ("DA", "DB", "DC")
+FACTORY_ARGS = (*DTYPE_NAMES, "D8")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 F32 = jnp.float32
 
@@ -71,13 +75,16 @@ def fit(v, shape, dtype):
     return v.astype(dtype)
 
 
-def namespace(dtypes=None) -> dict:
-    ns = {"jax": jax, "jnp": jnp, "lax": lax, "np": np, "W": W, "fit": fit, "F32": F32}
+def namespace() -> dict:
+    import hifigrad as hg
+
+    ns = {"jax": jax, "jnp": jnp, "lax": lax, "np": np, "W": W, "fit": fit, "F32": F32,
+          "checkpoint_name": checkpoint_name, "hg": hg}
     return ns
 
 
 def build(source: str):
-    """Executes a program's source and returns its factory ``make(DA, DB, DC)``."""
+    """Executes a program's source and returns its factory ``make(DA, DB, DC, D8)``."""
     ns = namespace()
     exec(compile(source, "<fuzz program>", "exec"), ns)  # noqa: S102
     return ns["make"]
@@ -98,22 +105,31 @@ def make_args(inputs, dtypes: dict, seed: int, scale: float = 1.0):
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    source: str                    # defines make(DA, DB, DC) -> f
+    source: str                    # defines make(DA, DB, DC, D8) -> f
     inputs: tuple                  # ((shape, dtype name), ...)
     dtypes: tuple                  # the low-precision binding: e.g. ("bf16", "f16", "f32")
     seed: int
     n_ops: int                     # operations in the program (nested ones included)
     depth: int                     # deepest nesting of control flow / transforms
+    tree: bool = False             # f takes one dict of the inputs (with a None leaf)
+
+    def call_args(self, args):
+        """The arguments `f` is called with, and the argnums to differentiate."""
+        if self.tree:
+            return [{**{f"x{i}": a for i, a in enumerate(args)}, "unused": None}], (0,)
+        return list(args), tuple(range(len(args)))
 
     def binding(self, all_f32: bool = False) -> dict:
+        """The dtypes of DA, DB, DC and D8 (an fp8 dtype values are rounded through)."""
         if all_f32:
-            return dict.fromkeys(DTYPE_NAMES, jnp.float32)
-        return {n: DTYPES[d] for n, d in zip(DTYPE_NAMES, self.dtypes)}
+            return dict.fromkeys(FACTORY_ARGS, jnp.float32)
+        return {**{n: DTYPES[d] for n, d in zip(DTYPE_NAMES, self.dtypes)},
+                "D8": jnp.float8_e4m3fn}
 
     def __repr__(self):
         # Pasteable as a regression test body (see tests/test_fuzz.py).
         return (f"\n# dtypes={self.dtypes!r} seed={self.seed} ops={self.n_ops} "
-                f"depth={self.depth}\n# inputs={self.inputs!r}\n{self.source}")
+                f"depth={self.depth} tree={self.tree}\n# inputs={self.inputs!r}\n{self.source}")
 
 
 @dataclasses.dataclass
@@ -141,6 +157,8 @@ UNARY = [
     "jnp.log(2 + jnp.sin({0}))", "jnp.sinh(jnp.tanh({0}))", "jnp.square({0})",
     "({0} * 0.5 + 0.25)", "lax.stop_gradient({0})", "jnp.arcsinh({0})", "jax.nn.elu({0})",
     "lax.reduce_precision({0}, exponent_bits=5, mantissa_bits=7)",
+    "{0}.astype(D8).astype({0}.dtype)",
+    "checkpoint_name({0}, 'saved')",
 ]
 BINARY = [
     "({0} + {1})", "({0} - {1}) * 0.5", "({0} * jnp.tanh({1}))", "jnp.maximum({0}, {1})",
@@ -157,17 +175,21 @@ SCAN_LIKE = [
     "jnp.cumprod(1 + 0.25 * jnp.tanh({0}), axis={ax})", "jnp.sort({0}, axis={ax})",
     "lax.cumlogsumexp({0}, axis={ax})", "jnp.flip({0}, axis={ax})", "jnp.roll({0}, 1, axis={ax})",
     "jax.nn.log_softmax({0}, axis={ax})", "lax.cummin({0}, axis={ax})",
+    "lax.associative_scan(jnp.add, {0}, axis={ax})",
+    "lax.associative_scan(jnp.maximum, {0}, axis={ax})",
 ]
 CKPT_POLICIES = [
     "None", "jax.checkpoint_policies.nothing_saveable", "jax.checkpoint_policies.dots_saveable",
     "jax.checkpoint_policies.everything_saveable",
+    "jax.checkpoint_policies.save_only_these_names('saved')",
 ]
 
 # Operation kinds, simplest first (hypothesis shrinks towards the start of the list).
 LEAF_OPS = ["unary", "binary", "reduce", "cast", "matmul", "structural", "index", "cumulative",
-            "scatter", "broadcast", "while_fwd"]
+            "scatter", "broadcast", "while_fwd", "pool", "linalg", "fft"]
 NEST_OPS = ["scan", "fori", "cond", "checkpoint", "custom_vjp", "custom_jvp", "jit", "vmap",
-            "switch", "scan_len", "inner_grad"]
+            "switch", "scan_len", "inner_grad", "hg_checkpoint", "hg_scan", "hg_precise"]
+CODECS = ["none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
 
 
 class _Gen:
@@ -372,6 +394,10 @@ class _Gen:
             out = V(self.name(), v.shape[1:], v.dt)
             return [f"{out.name} = lax.dynamic_index_in_dim({v.name}, {i.name} % {n}, "
                     f"keepdims=False)"], [out]
+        if kind == 2:  # an index computed from data
+            u = self.pick(pool)
+            out = V(self.name(), v.shape[1:], v.dt)
+            return [f"{out.name} = {v.name}[jnp.argmax({u.name}) % {n}]"], [out]
         size = self.draw(st.integers(1, n))
         start = self.draw(st.integers(0, n - size))
         out = V(self.name(), (size,) + v.shape[1:], v.dt)
@@ -427,6 +453,48 @@ class _Gen:
             f"{out.name} = {u.name} * {m}.astype({u.dt})",
         ], [out]
 
+    def op_pool(self, pool, depth):
+        """Windowed reductions (pooling) along the first axis."""
+        v = self.pick(pool, lambda v: v.ndim >= 1 and v.shape[0] >= 2)
+        if v is None:
+            return self.op_unary(pool, depth)
+        win = (2,) + (1,) * (v.ndim - 1)
+        out = V(self.name(), (v.shape[0] - 1,) + v.shape[1:], v.dt)
+        if self.draw(st.booleans()):
+            line = (f"lax.reduce_window({v.name}, -jnp.inf, lax.max, {win!r}, "
+                    f"{(1,) * v.ndim!r}, 'VALID')")
+        else:
+            line = (f"lax.reduce_window({v.name}, 0.0, lax.add, {win!r}, {(1,) * v.ndim!r}, "
+                    f"'VALID') * 0.5")
+        return [f"{out.name} = {line}"], [out]
+
+    def op_linalg(self, pool, depth):
+        """A well-conditioned linear solve (in float32: LAPACK has no bf16/fp16 kernels)."""
+        a, b = self.pick(pool), self.pick(pool)
+        n = self.draw(st.integers(1, 3))
+        m = self.name("m")
+        out = V(self.name(), (n,), "F32")
+        return [f"{m} = {self.fit(a, (n, n), 'F32')}",
+                f"{out.name} = jnp.linalg.solve({m} @ {m}.T * 0.25 + 2 * jnp.eye({n}, "
+                f"dtype=F32), {self.fit(b, (n,), 'F32')})"], [out]
+
+    def op_fft(self, pool, depth):
+        """Complex intermediates: an FFT round trip (complex64 values are never promoted)."""
+        v = self.pick(pool, lambda v: v.ndim >= 1)
+        if v is None:
+            return self.op_unary(pool, depth)
+        n = v.shape[-1]
+        out = V(self.name(), v.shape, v.dt)
+        if self.draw(st.booleans()):
+            line = (f"jnp.fft.irfft(jnp.fft.rfft({v.name}.astype(F32)) * (0.5 + 0.25j), "
+                    f"n={n}).astype({v.dt})")
+        else:
+            fv = self.name("z")
+            return [f"{fv} = jnp.fft.fft({v.name}.astype(jnp.complex64))",
+                    f"{out.name} = (jnp.real({fv} * jnp.conj({fv})) * {1 / n!r}).astype({v.dt})"
+                    ], [out]
+        return [f"{out.name} = {line}"], [out]
+
     # ---------------------------------------------------------------- nested ops
     def op_scan(self, pool, depth):
         xs = self.pick(pool, lambda v: v.ndim >= 1)
@@ -437,7 +505,12 @@ class _Gen:
     def op_scan_len(self, pool, depth):
         return self._scan(pool, depth, None)
 
-    def _scan(self, pool, depth, xs):
+    def op_hg_scan(self, pool, depth):
+        """hifigrad's scan: carries saved encoded, steps recomputed in the backward."""
+        xs = self.pick(pool, lambda v: v.ndim >= 1) if self.draw(st.booleans()) else None
+        return self._scan(pool, depth, xs, codec=self.draw(st.sampled_from(CODECS)))
+
+    def _scan(self, pool, depth, xs, codec=None):
         srcs = [self.pick(pool)]
         if self.draw(st.booleans()):
             srcs.append(self.pick(pool))
@@ -445,7 +518,7 @@ class _Gen:
         cs = [V(self.name("c"), s.shape, s.dt if i == 0 else self.dtname())
               for i, s in enumerate(srcs)]
         k = V(self.name("k"), (), "I32") if self.draw(st.booleans()) else None
-        x = V(self.name("x"), xs.shape[1:], xs.dt) if xs is not None else None
+        x = V(self.name("e"), xs.shape[1:], xs.dt) if xs is not None else None
         length = xs.shape[0] if xs is not None else self.draw(st.integers(1, 4))
         inner = [*pool, *cs] + ([k] if k else []) + ([x] if x else [])
         lines, vals = self.block(inner, depth + 1, self.draw(st.integers(1, 3)))
@@ -478,7 +551,10 @@ class _Gen:
             extra += ", reverse=True"
         if self.draw(st.booleans()):
             extra += ", unroll=2"
-        call = f"{lhs} = lax.scan({f}, {init}, {xs.name if xs else 'None'}{extra})"
+        if codec is not None:
+            extra += f", codec={codec!r}"
+        fn = "lax.scan" if codec is None else "hg.scan"
+        call = f"{lhs} = {fn}({f}, {init}, {xs.name if xs else 'None'}{extra})"
         return body + [call], out_c + ([ys] if ys else [])
 
     def op_fori(self, pool, depth):
@@ -542,6 +618,17 @@ class _Gen:
         fname, lines, args, out = self._call_like(pool, depth)
         a = ", ".join(x.name for x in args)
         return lines + [f"{out.name} = jax.jit({fname})({a})"], [out]
+
+    def op_hg_checkpoint(self, pool, depth):
+        fname, lines, args, out = self._call_like(pool, depth)
+        codec = self.draw(st.sampled_from(CODECS))
+        a = ", ".join(x.name for x in args)
+        return lines + [f"{out.name} = hg.checkpoint({fname}, codec={codec!r})({a})"], [out]
+
+    def op_hg_precise(self, pool, depth):
+        fname, lines, args, out = self._call_like(pool, depth)
+        a = ", ".join(x.name for x in args)
+        return lines + [f"{out.name} = hg.precise_backward({fname})({a})"], [out]
 
     def op_vmap(self, pool, depth):
         v = self.pick(pool, lambda v: v.ndim >= 1)
@@ -626,11 +713,17 @@ def programs(draw, max_depth: int = 2, max_ops: int = 10, max_inputs: int = 3,
         else:
             terms.append(f"jnp.sum({v.name} * W({v.shape!r}, {v.dt})).astype(F32)")
     lines.append("return " + " + ".join(terms))
-    body = "\n".join(["def f(" + ", ".join(p.name for p in params) + "):"]
-                     + ["    " + ln for ln in lines])
-    source = "def make(DA, DB, DC):\n" + textwrap.indent(body, "    ") + "\n    return f\n"
+    tree = draw(st.booleans())
+    names = ", ".join(p.name for p in params)
+    if tree:
+        unpack = ", ".join(f'p["{p.name}"]' for p in params)
+        head = ["def f(p):", f"    {names} = {unpack}"]
+    else:
+        head = [f"def f({names}):"]
+    body = "\n".join(head + ["    " + ln for ln in lines])
+    source = "def make(DA, DB, DC, D8):\n" + textwrap.indent(body, "    ") + "\n    return f\n"
     if dtypes is None:
         dtypes = tuple(draw(st.sampled_from(sorted(DTYPES))) for _ in DTYPE_NAMES)
     seed = draw(st.integers(0, 2 ** 16))
     return Program(source=source, inputs=tuple(inputs), dtypes=tuple(dtypes), seed=seed,
-                   n_ops=gen.n_ops, depth=gen.deepest)
+                   n_ops=gen.n_ops, depth=gen.deepest, tree=tree)

@@ -64,6 +64,8 @@ def test_quick_run_has_a_row_per_mode_with_finite_figures(quick):
         assert all(isinstance(x, (int, float)) and math.isfinite(x) for x in figures), name
         assert r["residual_bytes"] > 0 and r["block_residual_bytes"] > 0, name
         assert r["temp_bytes"] is None or r["temp_bytes"] >= 0, name
+    header = next(line for line in report.splitlines() if line.startswith("| mode |"))
+    assert header.count(" | ") == 11  # every column, none split by a stray "|"
     assert "## Conclusions" in report
 
 
@@ -104,6 +106,7 @@ def _one_line_error(capsys, argv) -> str:
     (["demo", "--steps", "0"], "must be at least 1"),
     (["demo", "--steps", "many"], "expected a positive integer"),
     (["demo", "--layers", "-2"], "must be at least 1"),
+    (["demo", "--seed", "-1"], "must be non-negative"),
     (["demo", "--frobnicate"], "unrecognized arguments"),
     (["demo", "--devices", "8"], "--devices 8: JAX sees only"),
     (["frobnicate"], "invalid choice"),

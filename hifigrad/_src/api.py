@@ -90,15 +90,18 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
     consts, res = res_and_consts[:static.n_consts], res_and_consts[static.n_consts:]
     out_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.out_avals]
     in_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.tangent_avals]
+    # Integer and bool outputs have float0 tangents: no cotangent flows back from them, and
+    # `linear_transpose` only takes float -> float functions, so they are left out.
+    keep = [_is_diff(np.zeros((), a.dtype)) for a in static.out_avals]
     cts = [lax.convert_element_type(c, d) if is_real_float(d) else c
-           for c, d in zip(cts, out_up)]
+           for c, d, k in zip(cts, out_up, keep) if k]
 
     def lin_promoted(*ts):
         interp = Interpreter(policy, static.table)
         outs, flags = interp.eval(static.lin_jaxpr, consts, [*res, *ts],
                                   [False] * static.n_res + [True] * len(ts))
         return [lax.convert_element_type(o, d) if is_real_float(d) and
-                np.dtype(o.dtype) != d else o for o, d in zip(outs, out_up)]
+                np.dtype(o.dtype) != d else o for o, d, k in zip(outs, out_up, keep) if k]
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
     transposed = jax.linear_transpose(lin_promoted, *in_avals)
@@ -262,7 +265,9 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
         res = _vjp(f_dyn, dyn, has_aux, policy, PROMOTE)
         out, vjp_fn = res[0], res[1]
         _check_scalar(out)
-        g = vjp_fn(jnp.ones((), promoted_dtype(_dtype_of(out), policy.tangent_dtype)))
+        # full_like, as jax.grad: the seed takes the output's varying manual axes (inside
+        # shard_map) and sharding, which `linear_transpose` checks against.
+        g = vjp_fn(lax.full_like(out, 1, promoted_dtype(_dtype_of(out), policy.tangent_dtype)))
         g = g[0] if isinstance(argnums, int) else tuple(g)
         return ((out, res[2]), g) if has_aux else (out, g)
 

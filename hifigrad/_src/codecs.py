@@ -249,12 +249,25 @@ def _current_scale(amax: Array, fmax: np.float32) -> Array:
     return jnp.where(jnp.isfinite(amax), scale, _NAN)
 
 
+def _saturate(x: Array, dtype: DTypeLike, keep_inf: bool = False) -> Array:
+    """``x`` cast to ``dtype``, finite values clipped to its finite range first.
+
+    A finite activation close to the top of the range (float32's max, float16's 65504) can
+    round past it when encoded or decoded (``scale`` is rounded up, ``bf16`` rounds to nearest);
+    it must come back finite, never as inf. NaN stays NaN; with ``keep_inf`` inf stays inf.
+    """
+    y = x.astype(dtype)
+    overflow = jnp.isinf(y) & (jnp.isfinite(x) if keep_inf else ~jnp.isnan(x))
+    big = jnp.full_like(y, jnp.finfo(dtype).max)
+    return jnp.where(overflow, jnp.where(x > 0, big, -big), y)
+
+
 def _fp8_decode(enc: Encoded, dtype: DTypeLike, scale_trailing: tuple[int, ...]) -> Array:
     """``data * scale`` in ``dtype``; the scale broadcasts over the trailing axes it lacks."""
     shape = tuple(enc.shape)
     scale = enc.scale.astype(jnp.float32)
     scale = scale.reshape(scale.shape + (1,) * (len(shape) - len(scale_trailing)))
-    return (enc.data.astype(jnp.float32) * scale).astype(dtype)
+    return _saturate(enc.data.astype(jnp.float32) * scale, dtype)
 
 
 def _bf16_scale(absmax: Array, qmax: int) -> Array:
@@ -399,14 +412,15 @@ class BF16Codec:
         """Stores ``x.astype(bfloat16)`` (``key`` is ignored)."""
         del key
         x = _as_float_array(x, type(self).__name__)
-        return Encoded(data=x.astype(jnp.bfloat16), shape=tuple(x.shape), layout="bf16")
+        return Encoded(data=_saturate(x, jnp.bfloat16, keep_inf=True), shape=tuple(x.shape),
+                       layout="bf16")
 
     def decode(self, enc: Encoded, dtype: DTypeLike) -> Array:
         """Casts the stored bfloat16 values to ``dtype``."""
         dtype = _check_float_dtype(dtype, f"{type(self).__name__}.decode")
         enc = _check_encoded(enc, "bf16", type(self).__name__)
         _batch_shape(enc.data, tuple(enc.shape), "data")
-        return enc.data.astype(dtype)
+        return _saturate(enc.data, dtype, keep_inf=True)
 
     def nbytes(self, shape: Sequence[int], dtype: DTypeLike) -> int:
         """``2 * prod(shape)``."""
@@ -808,7 +822,7 @@ class IntCodec:
             q = _unpack(enc.data, self.bits).astype(jnp.float32) - np.float32(self._qmax)
         out = q * enc.scale.astype(jnp.float32)[..., None]
         out = out.reshape(batch + (ng * self.group_size,))[..., :n]
-        return out.reshape(batch + shape).astype(dtype)
+        return _saturate(out.reshape(batch + shape), dtype)
 
     def nbytes(self, shape: Sequence[int], dtype: DTypeLike) -> int:
         """Packed codes plus one bfloat16 scale per group: ``groups * (group_size*bits/8 + 2)``."""

@@ -63,6 +63,7 @@ shard_map_p = _find("jax._src.shard_map", "shard_map_p")
 pure_callback_p = _find("jax._src.callback", "pure_callback_p")
 io_callback_p = _find("jax._src.callback", "io_callback_p")
 debug_callback_p = _find("jax._src.debugging", "debug_callback_p")
+debug_print_p = _find("jax._src.debugging", "debug_print_p")  # jax.debug.print
 add_jaxvals_p = _ad.add_jaxvals_p
 sharding_constraint_p = _find("jax._src.pjit", "sharding_constraint_p")
 mesh_cast_p = _find("jax._src.pjit", "mesh_cast_p")

@@ -154,6 +154,10 @@ class Interpreter:
                 if rule is None:
                     if not any(inflags):
                         outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
+                    elif not eqn.outvars:
+                        # Effect-only (no outputs): no cotangent leaves it, so running it at
+                        # its declared dtypes changes no gradient.
+                        outs, oflags = self.fallback(eqn, invals, inflags)
                     else:
                         outs, oflags = self.unsupported(eqn, invals, inflags)
                 else:

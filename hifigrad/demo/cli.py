@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -35,6 +36,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from .modes import MODES
 
@@ -51,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--modes", default="all",
                    help="comma-separated modes to run (default: all), see below")
     d.add_argument("--layers", type=_positive_int, help="number of transformer blocks")
-    d.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
+    d.add_argument("--seed", type=_seed, default=0, help="seed of the init and the batches")
     d.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
     d.add_argument("--quick", action="store_true",
                    help="tiny configuration (about a minute on 2 CPU cores)")
@@ -125,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         config = _config(args)
-        out = _check_out(args.out)
         if own_process:
             _prepare_devices(config.devices)
         import jax
@@ -135,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--devices {config.devices}: JAX sees only {jax.device_count()} device(s) on "
                 f"{jax.default_backend()} (on CPU, run `hifigrad demo` as a command, or set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={config.devices})")
+        out = _check_out(args.out)
     except UsageError as e:
         prog = f"{PROG} demo" if argv[:1] == ["demo"] else PROG
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -144,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_demo(config, out: Path, argv: list[str]) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from . import report as R
     from .train import describe_platform, run
@@ -158,8 +170,9 @@ def _run_demo(config, out: Path, argv: list[str]) -> int:
     command = "hifigrad " + " ".join(shlex.quote(a) for a in argv)
     paths = R.write_report(results, out, command=command)
     console.print(_rich_table(results))
-    for c in results["conclusions"]:
-        console.print(f" • {c}", highlight=False)
+    for c in results["conclusions"]:  # markdown bold -> rich bold
+        console.print(" • " + re.sub(r"\*\*(.+?)\*\*", r"[bold]\1[/bold]", escape(c)),
+                      highlight=False)
     console.print(f"Wrote {', '.join(p.name for p in paths)} to {out}/ "
                   f"(run took {results['wall_s']:.0f} s)")
     failed = [r["name"] for r in results["modes"] if r["status"] == "failed"]
@@ -187,8 +200,14 @@ class _RichReporter:
     """Shows setup stages as spinners and each mode as a progress bar."""
 
     def __init__(self, console):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
-                                   TextColumn, TimeElapsedColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,

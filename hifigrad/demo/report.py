@@ -45,7 +45,10 @@ def _f(x, fmt: str, none: str = "—") -> str:
 
 
 def _mb(b) -> str:
-    return "—" if b is None else f"{b / 2**20:.2f}"
+    if b is None:
+        return "—"
+    mb = b / 2**20
+    return f"{mb:.2f}" if mb >= 1 else f"{mb:.3g}"
 
 
 def _ok(results: dict) -> list[dict]:
@@ -159,12 +162,16 @@ def conclusions(results: dict) -> list[str]:
         s += f"); largest: **{mem[-1]['label']}** ({mem[-1]['residual_bytes'] / 2**20:.2f} MB)."
         out.append(s)
     remat = results.get("remat_bf16_block_residual_bytes")
-    blocks = [r for r in ok if r.get("block_residual_bytes")]
-    if remat and blocks:
-        out.append(
-            "Saved by the scan over blocks, relative to an uncompressed bf16 remat scan "
-            f"(jax.checkpoint, {remat / 2**20:.3f} MB): " + ", ".join(
-                f"{r['label']} {r['block_residual_bytes'] / remat:.2f}x" for r in blocks) + ".")
+    squeezed = [r for r in ok if r.get("block_residual_bytes") and r["saved"] != "all"]
+    if remat and squeezed:
+        s = ("Saved by the scan over blocks, relative to an uncompressed bf16 remat scan "
+             f"(jax.checkpoint, {remat / 2**20:.3g} MB): " + ", ".join(
+                 f"{r['label']} {r['block_residual_bytes'] / remat:.2f}x" for r in squeezed))
+        plain = by.get("bf16")
+        if plain is not None and plain.get("block_residual_bytes"):
+            s += (f"; a plain lax.scan ({plain['label']}) saves "
+                  f"{plain['block_residual_bytes'] / remat:.1f}x")
+        out.append(s + ".")
     timed = [r for r in ok if _num(r.get("step_ms")) is not None]
     if timed:
         timed.sort(key=lambda r: r["step_ms"])
@@ -209,22 +216,33 @@ def _style(name: str) -> dict:
 
 
 def plot_losses(results: dict, path: Path) -> None:
-    fig = _figure()
-    ax = fig.add_subplot()
-    k = max(1, len(results["modes"][0].get("losses") or [0]) // 30)
-    for r in _ok(results):
-        ax.plot(_smooth(r["losses"], k), label=r["label"], **_style(r["name"]))
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (moving average of {k})" if k > 1 else "training loss")
-    ax.set_title("Loss curves: every mode from the same init on the same batches")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    fig = _figure(7.5, 7)
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    rows = _ok(results)
+    k = max(1, results["config"]["steps"] // 30)
+    ref = next((r for r in rows if r["name"] == "f32"), None)
+    for r in rows:
+        top.plot(_smooth(r["losses"], k), label=r["label"], **_style(r["name"]))
+        if ref is not None and r is not ref:
+            gap = [None if a is None or b is None else a - b
+                   for a, b in zip(r["losses"], ref["losses"])]
+            bottom.plot(_smooth(gap, k), label=r["label"], **_style(r["name"]))
+    smooth = f" (moving average of {k})" if k > 1 else ""
+    top.set_ylabel("training loss" + smooth)
+    top.set_title("Loss curves: every mode from the same init on the same batches")
+    top.legend(fontsize=7, ncol=2)
+    bottom.axhline(0.0, color="black", linewidth=1.5)
+    bottom.set_yscale("symlog", linthresh=1e-3)
+    bottom.set_ylabel("loss − f32 loss" + smooth)
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
 
 
 def plot_sqnr(results: dict, path: Path) -> None:
-    fig = _figure()
+    fig = _figure(9.5, 4.5)
     ax = fig.add_subplot()
     steps = results["eval_steps"]
     for r in _ok(results):
@@ -237,32 +255,47 @@ def plot_sqnr(results: dict, path: Path) -> None:
     ax.set_ylabel("gradient SQNR vs f32 gradient (dB)")
     ax.set_title("Gradient fidelity, measured at each mode's own parameters")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
 
 
 def plot_memory(results: dict, path: Path) -> None:
-    fig = _figure(8, 4.5)
-    ax = fig.add_subplot()
-    rows = [r for r in _ok(results)]
-    xs = range(len(rows))
+    fig = _figure(8, 7)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    rows = _ok(results)
+    xs = list(range(len(rows)))
+    mb = 2.0**20
+    top.bar(xs, [(r.get("block_residual_bytes") or 0) / mb for r in rows], 0.6,
+            color="tab:green", label="saved by the scan over blocks")
+    remat = results.get("remat_bf16_block_residual_bytes")
+    if remat:
+        top.axhline(remat / mb, color="black", linestyle="--", linewidth=1,
+                    label="uncompressed bf16 remat scan (jax.checkpoint)")
+    top.set_yscale("log")
+    top.set_ylabel("MB (log scale)")
+    top.set_title("Memory of one training step")
+    top.legend(fontsize=8)
     w = 0.4
-    ax.bar([x - w / 2 for x in xs], [(r["residual_bytes"] or 0) / 2**20 for r in rows], w,
-           label="saved residuals (traced)")
-    ax.bar([x + w / 2 for x in xs], [(r["temp_bytes"] or 0) / 2**20 for r in rows], w,
-           label=f"peak temp, compiled step ({results['environment']['backend']})")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([r["label"] for r in rows], rotation=35, ha="right", fontsize=7)
-    ax.set_ylabel("MB")
-    ax.set_title("Memory of one training step")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    bottom.bar([x - w / 2 for x in xs], [(r["residual_bytes"] or 0) / mb for r in rows], w,
+               label="saved for the backward, whole model")
+    bottom.bar([x + w / 2 for x in xs], [(r["temp_bytes"] or 0) / mb for r in rows], w,
+               label=f"XLA temp, compiled gradient ({results['environment']['backend']})")
+    bottom.set_ylabel("MB")
+    bottom.set_xticks(xs)
+    bottom.set_xticklabels([r["label"] for r in rows], rotation=35, ha="right", fontsize=7)
+    bottom.legend(fontsize=8)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path)
 
 
 # ------------------------------------------------------------------------------ files
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
 
 def _markdown(results: dict, command: str | None) -> str:
     cfg, env = results["config"], results["environment"]
@@ -274,7 +307,9 @@ def _markdown(results: dict, command: str | None) -> str:
         f"{cfg['d_model']}, {cfg['n_heads']} heads, context {cfg['seq_len']}, "
         f"{results['n_params']:,} parameters (float32 masters), AdamW.",
         f"- Data: {results['corpus']}.",
-        f"- Training: {cfg['steps']} steps of batch {cfg['batch_size']}, seed {cfg['seed']}; "
+        f"- Training: {cfg['steps']} steps of batch {cfg['batch_size']}, seed {cfg['seed']}"
+        + (f", data-parallel over {cfg['devices']} devices" if cfg.get("devices", 1) > 1 else "")
+        + "; "
         f"gradient SQNR vs the f32 gradient at the same parameters every {cfg['eval_every']} "
         f"steps.",
         f"- Platform: JAX {env['jax']}, {env['backend']} ({env['device']}), Python "
@@ -282,10 +317,10 @@ def _markdown(results: dict, command: str | None) -> str:
         "",
         "## Results",
         "",
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "| " + " | ".join(_md_cell(c) for c in TABLE_COLUMNS) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(TABLE_COLUMNS) - 1)) + "|",
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table_rows(results)]
     lines += ["", LEGEND]
     lines += ["", "## Conclusions (computed from the numbers above)", ""]
     lines += [f"- {c}" for c in results["conclusions"]]
@@ -316,6 +351,10 @@ def _markdown(results: dict, command: str | None) -> str:
         "compiled ahead of time); *compile*: trace, lower and compile time of the mode's "
         "gradient program (programs are compiled a few at a time, in parallel).",
     ]
+    if env["backend"] == "cpu" and cfg.get("cpu_opt_level", 1) < 1:
+        lines += [
+            f"- Compiled with XLA backend optimization level {cfg['cpu_opt_level']} to keep "
+            "this short run short: step times are not representative."]
     if env["backend"] == "cpu":
         lines += [
             "- Measured on CPU, where XLA emulates bf16/fp16/fp8 arithmetic with conversions: "

@@ -1,0 +1,233 @@
+"""Fuzzing hifigrad with random JAX programs (the generator is `tests/fuzz_programs.py`).
+
+Properties, checked on programs nobody wrote by hand:
+
+1. All-float32 primals: ``hg.grad`` equals ``jax.grad``. Nothing is promoted, so hifigrad runs
+   the same primitives on the same values as JAX; only the order in which fan-out cotangents are
+   accumulated, and XLA's fusion of two different programs, may differ. That is a few float32
+   ulps at most, so the tolerance is ``rtol = 1e-6`` (about 16 ulps) on each element, plus an
+   absolute ``1e-6 * max|gradient|`` for elements that cancel to near zero. (Measured: bitwise
+   equal on every program fuzzed so far.)
+2. Low-precision primals (bf16 / fp16 / f32 mixed): ``hg.grad`` (float32 backward) equals a
+   float64 backward over *the same forward values*: ``hg.grad(f, tangent_dtype=float64)`` under
+   ``jax.enable_x64`` (the forward is the same bf16/fp16 program, checked bit for bit; only the
+   backward's dtype changes). Each backward op rounds to float32 with relative error 2**-24, and
+   a program of n ops chains at most a few per op, so the error relative to the largest gradient
+   of each leaf is bounded by ``16 * 2**-24 * (ops + 1)`` (1.4e-5 for 14 ops; measured up to
+   4e-7). A cotangent rounded to bf16 (2**-8) or fp16 (2**-11) anywhere would exceed it by far.
+   Every gradient must be float32 (float64 in the reference), and the forward value returned by
+   ``hg.value_and_grad`` must be bitwise the value of ``f``.
+3. Wherever ``jax.grad`` succeeds (traces), ``hg.grad`` succeeds. (hifigrad also succeeds where
+   ``jax.grad`` does not, e.g. a ``custom_vjp`` returning a float32 cotangent for a bf16 input
+   inside a scan: the seed issue.)
+4. ``jax.grad(hg.precise_backward(f))`` equals ``hg.grad(f)`` cast to each input's dtype.
+
+The default run is fixed (derandomized, no example database) and sized to about 3 minutes per
+Python version on 2 CPU cores; ``HIFIGRAD_FUZZ_EXAMPLES=N`` runs the `slow`-marked long version
+with N random (not derandomized) programs per property.
+
+Every failure the fuzzer found was shrunk and is kept below as a plain regression test with the
+minimal program written out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import note as _hnote
+from hypothesis.control import currently_in_test_context
+from hypothesis import strategies as st
+from jax import lax  # noqa: F401  (used by the programs written out below)
+
+import fuzz_programs as fp
+import hifigrad as hg
+from fuzz_programs import W, checkpoint_name, fit  # noqa: F401  (used by the programs written out below)
+
+F32 = jnp.float32
+F32_RTOL = 1e-6
+# Programs per property in the default run (2 properties x this, ~3 minutes per Python version).
+DEFAULT_EXAMPLES = {"f32": 60, "low": 60}
+LONG_EXAMPLES = int(os.environ.get("HIFIGRAD_FUZZ_EXAMPLES", "0") or 0)
+
+
+def _settings(n, derandomize=True):
+    return settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
+                    print_blob=not derandomize,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+def note(msg):
+    if currently_in_test_context():
+        _hnote(msg)
+
+
+def _leaves(t):
+    return jax.tree_util.tree_leaves(t)
+
+
+def _maybe_jit(f, jit):
+    return jax.jit(f) if jit else f
+
+
+# ------------------------------------------------------------------------------ the checks
+
+def check_f32(make, inputs, seed, *, tree=False, jit=True):
+    """Property 1: with every dtype name bound to float32, hg.grad == jax.grad."""
+    prog = fp.Program("", tuple(inputs), ("f32",) * 3, seed, 0, 0, tree)
+    binding = prog.binding(all_f32=True)
+    f = make(*(binding[n] for n in fp.FACTORY_ARGS))
+    args, argnums = prog.call_args(fp.make_args(inputs, binding, seed))
+    want = _maybe_jit(jax.grad(f, argnums), jit)(*args)
+    got = _maybe_jit(hg.grad(f, argnums), jit)(*args)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    w_leaves, g_leaves = _leaves(want), _leaves(got)
+    scale = max([float(np.max(np.abs(w), initial=0)) for w in w_leaves] + [1e-30])
+    for g, w in zip(g_leaves, w_leaves):
+        assert g.dtype == w.dtype == F32 and g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=F32_RTOL,
+                                   atol=F32_RTOL * scale)
+
+
+def low_tolerance(ops: int) -> float:
+    return 16 * 2.0 ** -24 * (ops + 1)
+
+
+def check_low(make, inputs, dtypes, seed, *, ops=16, tree=False, jit=True,
+              coefficients="forward", precise_backward=False):
+    """Properties 2-4 with dtype names bound to `dtypes` (e.g. ("bf16", "f16", "f32")).
+    Returns False when jax.grad and hg.grad both reject the program, else True."""
+    prog = fp.Program("", tuple(inputs), tuple(dtypes), seed, ops, 0, tree)
+    binding = prog.binding()
+    f = make(*(binding[n] for n in fp.FACTORY_ARGS))
+    flat_args = fp.make_args(inputs, binding, seed)
+    args, argnums = prog.call_args(flat_args)
+    policy = hg.Policy(coefficients=coefficients)
+    try:
+        jax.eval_shape(jax.grad(f, argnums), *args)
+        jax_ok = True
+    except Exception as e:  # noqa: BLE001
+        note(f"jax.grad fails: {type(e).__name__}: {e}")
+        jax_ok = False
+    try:
+        value, g32 = _maybe_jit(hg.value_and_grad(f, argnums, policy=policy), jit)(*args)
+    except Exception:
+        if jax_ok:  # property 3
+            raise
+        return False
+    # The forward is f exactly as written.
+    ref_value = _maybe_jit(f, jit)(*args)
+    assert value.dtype == ref_value.dtype
+    assert np.asarray(value).tobytes() == np.asarray(ref_value).tobytes(), (value, ref_value)
+    # Every gradient is float32 (the promoted dtype of bf16, fp16 and f32).
+    for g in _leaves(g32):
+        assert g.dtype == F32, g.dtype
+    with jax.enable_x64(True):
+        policy64 = hg.Policy(tangent_dtype=jnp.float64, coefficients=coefficients)
+        value64, g64 = _maybe_jit(hg.value_and_grad(f, argnums, policy=policy64), jit)(*args)
+        g64 = jax.tree_util.tree_map(np.asarray, g64)
+    assert np.asarray(value64).tobytes() == np.asarray(value).tobytes(), (value64, value)
+    assert jax.tree_util.tree_structure(g32) == jax.tree_util.tree_structure(g64)
+    g32_l, g64_l = [np.asarray(g, np.float64) for g in _leaves(g32)], _leaves(g64)
+    for g in g64_l:
+        assert g.dtype == np.float64
+    tol = low_tolerance(ops)
+    scale = max([float(np.max(np.abs(g[np.isfinite(g)]), initial=0)) for g in g64_l] + [1e-30])
+    for a, b in zip(g32_l, g64_l):
+        # Non-finite values are propagated, never hidden: same positions in both.
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+        fin = np.isfinite(b)
+        leaf_scale = max(float(np.max(np.abs(b[fin]), initial=0)), 1e-2 * scale, 1e-30)
+        err = float(np.max(np.abs(a[fin] - b[fin]), initial=0)) / leaf_scale
+        assert err <= tol, f"relative error {err:.3g} > {tol:.3g} (f32 vs f64 backward)"
+    if precise_backward:  # property 4
+        got = _maybe_jit(jax.grad(hg.precise_backward(f, policy=policy), argnums), jit)(*args)
+        want = jax.tree_util.tree_map(lambda g, x: g.astype(x.dtype), g32,
+                                      tuple(args[i] for i in argnums))
+        w_leaves, g_leaves = _leaves(want), _leaves(got)
+        for g, w in zip(g_leaves, w_leaves):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                                       rtol=F32_RTOL, atol=F32_RTOL * scale)
+    return True
+
+
+# ------------------------------------------------------------------------------ properties
+
+def _f32_property(prog, jit):
+    note(repr(prog))
+    check_f32(fp.build(prog.source), prog.inputs, prog.seed, tree=prog.tree, jit=jit)
+
+
+def _low_property(prog, jit, coefficients, precise):
+    note(repr(prog))
+    note(f"jit={jit} coefficients={coefficients!r} precise_backward={precise}")
+    check_low(fp.build(prog.source), prog.inputs, prog.dtypes, prog.seed, ops=prog.n_ops,
+              tree=prog.tree, jit=jit, coefficients=coefficients, precise_backward=precise)
+
+
+_JIT = st.sampled_from([True, True, True, False])  # mostly jitted: eager runs are slower
+_COEF = st.sampled_from(["forward", "forward", "tangent"])
+
+
+@_settings(DEFAULT_EXAMPLES["f32"])
+@given(prog=fp.programs(), jit=_JIT)
+def test_fuzz_f32_hg_grad_equals_jax_grad(prog, jit):
+    _f32_property(prog, jit)
+
+
+@_settings(DEFAULT_EXAMPLES["low"])
+@given(prog=fp.programs(), jit=_JIT, coefficients=_COEF, precise=st.booleans())
+def test_fuzz_low_precision_matches_float64_backward(prog, jit, coefficients, precise):
+    _low_property(prog, jit, coefficients, precise)
+
+
+_long = pytest.mark.skipif(not LONG_EXAMPLES, reason="set HIFIGRAD_FUZZ_EXAMPLES=N")
+
+
+@pytest.mark.slow
+@_long
+@_settings(max(LONG_EXAMPLES, 1), derandomize=False)
+@given(prog=fp.programs(max_depth=3, max_ops=16), jit=_JIT)
+def test_fuzz_long_f32(prog, jit):
+    _f32_property(prog, jit)
+
+
+@pytest.mark.slow
+@_long
+@_settings(max(LONG_EXAMPLES, 1), derandomize=False)
+@given(prog=fp.programs(max_depth=3, max_ops=16), jit=_JIT, coefficients=_COEF,
+       precise=st.booleans())
+def test_fuzz_long_low_precision(prog, jit, coefficients, precise):
+    _low_property(prog, jit, coefficients, precise)
+
+
+def test_generator_is_deterministic_and_covers_the_constructs():
+    """The default run sees every construct the generator knows (checked on the programs a
+    fixed seed draws, without running them)."""
+    seen: list = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fp.programs())
+    def collect(p):
+        seen.append(p.source)
+
+    collect()
+    text = "\n".join(seen)
+    for construct in ["lax.scan", "lax.fori_loop", "lax.cond", "lax.switch", "jax.checkpoint",
+                      "jax.custom_vjp", "jax.custom_jvp", "jax.jit", "jax.vmap", "jax.grad",
+                      "lax.while_loop", "@", "preferred_element_type", ".at[", "reduce_window",
+                      "jnp.linalg.solve", "astype(F32) for c in vjp(g)", "reverse=True",
+                      "unroll=2", "length=", "jnp.argmax", "astype(D8)", "checkpoint_name", "jnp.fft.rfft", "jnp.fft.fft"]:
+        assert construct in text, construct
+
+
+# ------------------------------------------------------------------------------ regressions
+# Minimal programs of failures the fuzzer found (shrunk by hypothesis), written out.
