@@ -27,7 +27,7 @@ from typing import Any
 
 from jax.tree_util import tree_flatten, tree_leaves
 
-from ._src.checkpoint import _is_float, _run
+from ._src.checkpoint import _check_save, _is_float, _run
 from ._src.codecs import get_codec
 from ._src.policy import Policy, resolve_policy
 
@@ -43,7 +43,7 @@ def _check_policy(policy) -> Policy:
     return resolve_policy(policy)
 
 
-def _encoded_remat(fn: Callable, codec, policy: Policy):
+def _encoded_remat(fn: Callable, codec, policy: Policy, save: str):
     """A lifted (Flax core) checkpoint whose non-variable array inputs are saved encoded."""
     from flax.core import lift
 
@@ -57,12 +57,12 @@ def _encoded_remat(fn: Callable, codec, policy: Policy):
         n_fixed = len(tree_leaves((variable_groups, rng_groups)))
         flat, in_tree = tree_flatten(full)
         encode = [i >= n_fixed and _is_float(x) for i, x in enumerate(flat)]
-        return _run(f, flat, in_tree, encode, codec, policy)
+        return _run(f, flat, in_tree, encode, codec, policy, save)
 
     return lift.pack(inner, (True,), (True,), (True,), name="hg_checkpoint")
 
 
-def _lift_remat_scan(body_fn, lengths: Sequence[int], codec, policy, variable_broadcast,
+def _lift_remat_scan(body_fn, lengths: Sequence[int], codec, policy, save, variable_broadcast,
                      variable_carry, variable_axes, split_rngs):
     from flax.core import lift
 
@@ -73,11 +73,11 @@ def _lift_remat_scan(body_fn, lengths: Sequence[int], codec, policy, variable_br
         def wrapper(scope, carry):
             return body_fn(scope, carry), ()
 
-        step = _encoded_remat(wrapper, codec, policy)
+        step = _encoded_remat(wrapper, codec, policy, save)
         return lambda scope, c: scan_fn(step, length=lengths[0])(scope, c)[0]
 
     def inner_loop(scope, carry):
-        return _lift_remat_scan(body_fn, lengths[1:], codec, policy, variable_broadcast,
+        return _lift_remat_scan(body_fn, lengths[1:], codec, policy, save, variable_broadcast,
                                 variable_carry, variable_axes, split_rngs)(scope, carry), ()
 
     return lambda scope, c: scan_fn(inner_loop, length=lengths[0])(scope, c)[0]
@@ -86,7 +86,7 @@ def _lift_remat_scan(body_fn, lengths: Sequence[int], codec, policy, variable_br
 def remat_scan(target, lengths: Sequence[int] | None = (), policy: Policy | None = None,
                variable_broadcast: Any = False, variable_carry: Any = False,
                variable_axes: Mapping[Any, int] | None = None,
-               split_rngs: Mapping[Any, bool] | None = None, *, codec):
+               split_rngs: Mapping[Any, bool] | None = None, *, codec, save: str = "inputs"):
     """`flax.linen.remat_scan` whose scanned carries are saved encoded with `codec`.
 
     Args:
@@ -95,6 +95,10 @@ def remat_scan(target, lengths: Sequence[int] | None = (), policy: Policy | None
       policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
       variable_broadcast, variable_carry, variable_axes, split_rngs: as in ``nn.remat_scan``.
       codec: a codec or its name ("fp8_e4m3", "int8", "int4", ...).
+      save: ``"inputs"`` (each block's input carry saved encoded, the block recomputed from
+        it) or ``"residuals"`` (the residuals of each block's backward that derive from the
+        carry saved encoded, ReLU masks bit-packed; no recomputation from lossy data): see
+        `hifigrad.checkpoint`.
 
     Example:
       ``Stack = hg.flax.remat_scan(Block, lengths=(12,), codec="fp8_e4m3",
@@ -104,21 +108,23 @@ def remat_scan(target, lengths: Sequence[int] | None = (), policy: Policy | None
 
     codec = get_codec(codec)
     policy = _check_policy(policy)
+    save = _check_save(save)
     if not lengths:
         raise ValueError("remat_scan needs at least one loop length, e.g. lengths=(12,).")
     return transforms.lift_transform(
-        _lift_remat_scan, target, lengths=tuple(lengths), codec=codec, policy=policy,
+        _lift_remat_scan, target, lengths=tuple(lengths), codec=codec, policy=policy, save=save,
         variable_broadcast=variable_broadcast, variable_carry=variable_carry,
         variable_axes=dict(variable_axes) if variable_axes is not None else {True: 0},
         split_rngs=dict(split_rngs) if split_rngs is not None else {True: True})
 
 
 def scan_layers(blocks, x, *, codec, policy: Policy | None = None, reverse: bool = False,
-                activation: Callable | None = None):
+                activation: Callable | None = None, save: str = "inputs"):
     """Applies a stack of NNX layers (created with ``nnx.vmap``) to `x` with `hifigrad.scan`.
 
     Each layer's input is saved encoded with `codec` and each layer is recomputed in the
-    backward (float32). Layers must be pure functions of their input (no state updates such as
+    backward (float32); ``save="residuals"`` saves the encoded residuals instead (see
+    `hifigrad.checkpoint`). Layers must be pure functions of their input (no state updates such as
     BatchNorm statistics inside the stack). `activation`, if given, is applied after each layer.
     """
     from flax import nnx
@@ -131,5 +137,5 @@ def scan_layers(blocks, x, *, codec, policy: Policy | None = None, reverse: bool
         out = nnx.merge(graphdef, layer_state)(carry)
         return (out if activation is None else activation(out)), None
 
-    return hg_scan(body, x, state, codec=codec, policy=policy, reverse=reverse)[0]
+    return hg_scan(body, x, state, codec=codec, policy=policy, reverse=reverse, save=save)[0]
 

@@ -99,3 +99,101 @@ def test_already_encoded_input_is_an_error():
     enc = hg.get_codec("int8").encode(jnp.ones((4, 8)))
     with pytest.raises(TypeError, match="already"):
         hg.checkpoint(lambda e: e, codec="int8")(enc)
+
+
+# ------------------------------------------------------------------------------ save="residuals"
+
+def relu_body(c, w):
+    return jax.nn.relu(c @ w + 0.05), None
+
+
+def relu_loss(ws, x, codec, save):
+    c = hg.scan(relu_body, x, ws, codec=codec, save=save)[0]
+    return jnp.sum(c.astype(jnp.float32) ** 2)
+
+
+def relu_loss_ref(ws, x):
+    return jnp.sum(lax.scan(relu_body, x, ws)[0].astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("body_fn", [body, relu_body], ids=["tanh", "relu"])
+def test_residuals_uncompressed_equal_jax_grad(body_fn, maybe_jit):
+    """With codec "none" nothing is lost: the same gradient as plain `jax.grad`, bit for bit
+    (the residuals are JAX's own; the backward runs at their dtype, float32)."""
+    ws, x = _setup()
+    f = lambda w: jnp.sum(hg.scan(body_fn, x, w, codec="none", save="residuals")[0] ** 2)
+    g = maybe_jit(jax.grad(f))(ws)
+    want = jax.grad(lambda w: jnp.sum(lax.scan(body_fn, x, w)[0] ** 2))(ws)
+    np.testing.assert_array_equal(g, want)
+
+
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "int4"])
+def test_residuals_keep_relu_gates_exact(codec, maybe_jit):
+    """ReLU blocks: "residuals" saves the mask bit-packed, so the backward's gates are the
+    forward's and only the kernels' gradients see the codec's rounding of the saved inputs;
+    "inputs" recomputes the gates from decoded inputs. Residuals must be at least as close
+    to the uncompressed gradient, and within the codec's resolution of it: its SQNR is at
+    least that of one rounding of the saved inputs (e4m3: 3 mantissa bits, ~25 dB; int8 and
+    int4 per-group absmax, 127 and 7 levels), less 6 dB for the sum over 8 blocks."""
+    ws, x = _setup()
+    want = jax.grad(lambda w: relu_loss_ref(w, x))(ws)
+    g_res = maybe_jit(jax.grad(lambda w: relu_loss(w, x, codec, "residuals")))(ws)
+    g_in = jax.grad(lambda w: relu_loss(w, x, codec, "inputs"))(ws)
+    assert g_res.dtype == jnp.float32
+    floor = {"fp8_e4m3": 25 - 6, "int8": 40 - 6, "int4": 15 - 6}[codec]
+    assert _sqnr(g_res, want) >= max(floor, _sqnr(g_in, want)), (_sqnr(g_res, want),
+                                                                 _sqnr(g_in, want))
+
+
+def test_residuals_saves_encoded_activations_and_packed_masks():
+    ws, x = _setup()
+    _, f_vjp = jax.vjp(lambda w: relu_loss(w, x, "fp8_e4m3", "residuals"), ws)
+    leaves = jax.tree_util.tree_leaves(f_vjp)
+    kinds = sorted((l.dtype.name, l.shape) for l in leaves if l.shape[:1] == (L,))
+    # Per block: the input in fp8 with its scale and the ReLU mask (B*D bits in uint8); the
+    # weights are the scan's own argument, kept as they are (as plain JAX keeps them).
+    assert kinds == [("float32", (L,)), ("float32", (L, D, D)), ("float8_e4m3fn", (L, B, D)),
+                     ("uint8", (L, B * D // 8))], kinds
+    # Not saved: the weights' own copies (recomputed from ws) and the select's zeros.
+    assert not [l for l in leaves if l.shape == (L, B, D) and l.dtype == jnp.float32]
+
+
+def test_residuals_of_parameters_are_recomputed_not_saved():
+    """A bf16 cast of the float32 master weights is a residual of every block that depends on
+    no encoded input: it is recomputed in the backward, so no bf16 copy of the stack is saved."""
+    ws, x = _setup()
+    f = lambda c, w: (jnp.tanh(c.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32),
+                      None)
+    loss = lambda w: jnp.sum(hg.scan(f, x, w, codec="int8", save="residuals")[0] ** 2)
+    _, f_vjp = jax.vjp(loss, ws)
+    leaves = jax.tree_util.tree_leaves(f_vjp)
+    assert not [l for l in leaves if l.dtype == jnp.bfloat16 and l.shape == ws.shape]
+    want = jax.grad(lambda w: jnp.sum(lax.scan(f, x, w)[0] ** 2))(ws)
+    assert _sqnr(jax.grad(loss)(ws), want) >= 25
+
+
+def test_residuals_under_hg_grad_with_bf16_model(maybe_jit):
+    ws, x = _setup(jnp.bfloat16)
+    g = maybe_jit(hg.grad(lambda w: relu_loss(w, x, "fp8_e4m3", "residuals")))(ws)
+    assert g.dtype == jnp.float32
+    want = jax.grad(lambda w: relu_loss_ref(w.astype(jnp.float32), x.astype(jnp.float32)))(ws)
+    assert _sqnr(g, want) >= 15
+
+
+def test_residuals_checkpoint_function_vmap_and_nan(maybe_jit):
+    ws, x = _setup()
+    f = hg.checkpoint(lambda x, w: jax.nn.gelu(x @ w), codec="int8", save="residuals")
+    loss = lambda w, x: jnp.sum(f(x, w[0]) ** 2)
+    g = maybe_jit(jax.grad(loss))(ws, x)
+    want = jax.grad(lambda w: jnp.sum(jax.nn.gelu(x @ w[0]) ** 2))(ws)
+    assert _sqnr(g, want) >= 25
+    gv = jax.vmap(jax.grad(loss), in_axes=(None, 0))(ws, jnp.stack([x, -x]))
+    np.testing.assert_allclose(gv[0], g, rtol=1e-5, atol=1e-6)
+    assert np.isnan(np.asarray(jax.grad(loss)(ws, x.at[0, 0].set(jnp.nan)))).any()
+
+
+def test_bad_save_is_an_error():
+    with pytest.raises(ValueError, match="save must be one of"):
+        hg.checkpoint(lambda x: x, codec="int8", save="everything")
+    with pytest.raises(ValueError, match="save must be one of"):
+        hg.scan(body, jnp.ones((2, 2)), jnp.ones((1, 2, 2)), codec="int8", save="all")

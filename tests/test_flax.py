@@ -34,32 +34,41 @@ def seed():
 @pytest.fixture(scope="module")
 def seed_runs(seed):
     with jax.numpy_dtype_promotion("standard"):  # Flax and optax mix dtypes implicitly
-        return {c: seed.train(20 if c == "fp8_e4m3" else 1, codec=c)
-                for c in ("fp8_e4m3", "int8", None)}
+        return {
+            "fp8": seed.train(20, codec="fp8_e4m3"),  # the example's default: save="residuals"
+            "fp8-inputs": seed.train(1, codec="fp8_e4m3", save="inputs"),
+            "int8-inputs": seed.train(1, codec="int8", save="inputs"),
+            None: seed.train(1, codec=None),
+        }
 
 
 def test_seed_example_trains_with_fp8_activations(seed_runs):
-    losses, g_fp8 = seed_runs["fp8_e4m3"]
+    """Issue 3: 20 steps with fp8 saved activations and f32 gradients; the loss falls and the
+    step-0 gradients have cosine >= 0.99 to the uncompressed model's. With save="residuals"
+    the backward's ReLU gates are the forward's (bit-packed masks), so the only error is e4m3's
+    rounding (2^-4 relative) of each block's saved input in the kernel gradients: measured
+    0.9999."""
+    losses, g_fp8 = seed_runs["fp8"]
     assert losses[-1] < losses[0]
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(g_fp8))
-    # Measured 0.983: this 10-layer ReLU stack is so sensitive that 2^-9 relative noise on its
-    # activations alone moves the gradient to cosine 0.990; fp8 e4m3 (2^-4) flips ~5% of the
-    # recomputed ReLU gates per block. Bound: what e4m3's 3 mantissa bits allow here.
-    assert _cos(g_fp8, seed_runs[None][1]) >= 0.98
+    assert _cos(g_fp8, seed_runs[None][1]) >= 0.99
 
 
-@pytest.mark.xfail(strict=True, reason="issue 3 asks cosine >= 0.99 for fp8 on the seed model; "
-                   "recomputing blocks from e4m3-decoded inputs gives 0.983 (ReLU gate flips)")
-def test_seed_example_fp8_cosine_meets_issue_target(seed_runs):
-    assert _cos(seed_runs["fp8_e4m3"][1], seed_runs[None][1]) >= 0.99
+def test_seed_example_fp8_recomputed_from_inputs(seed_runs):
+    """save="inputs": each block is recomputed from its e4m3-decoded input, which flips about
+    5% of the recomputed ReLU gates per block; this 10-block ReLU stack is so sensitive that
+    2^-9 relative noise on its saved inputs alone (bf16) gives cosine 0.998. Measured 0.983;
+    the bound is what e4m3's 3 mantissa bits allow here."""
+    assert _cos(seed_runs["fp8-inputs"][1], seed_runs[None][1]) >= 0.98
 
 
 def test_seed_example_int8_cosine(seed_runs):
-    assert _cos(seed_runs["int8"][1], seed_runs[None][1]) >= 0.99
+    assert _cos(seed_runs["int8-inputs"][1], seed_runs[None][1]) >= 0.99
 
 
-def test_remat_scan_saves_only_encoded_carries(seed):
-    model = seed.Model(codec="int8")
+@pytest.mark.parametrize("save", ["inputs", "residuals"])
+def test_remat_scan_saves_only_encoded_carries(seed, save):
+    model = seed.Model(codec="int8", save=save)
     x = jnp.ones((4, seed.EMB_DIM))
     with jax.numpy_dtype_promotion("standard"):
         params = model.init(jax.random.key(0), x)
@@ -69,6 +78,10 @@ def test_remat_scan_saves_only_encoded_carries(seed):
                    and l.dtype == jnp.float32]
     assert not stacked_f32
     assert any(l.dtype == jnp.int8 for l in leaves)
+    # The ReLU masks, bit-packed: one uint8 per 8 elements of each block's activation.
+    mask_shape = (seed.N_BLOCKS, 4 * seed.EMB_DIM // 8)
+    masks = [l for l in leaves if l.dtype == jnp.uint8 and l.shape == mask_shape]
+    assert len(masks) == (save == "residuals"), [(l.shape, l.dtype) for l in leaves]
 
 
 def test_jax_checkpoint_policy_is_rejected():

@@ -13,22 +13,53 @@ nothing.
 
 Values a function closes over (parameters under `jax.grad`) are hoisted into explicit inputs with
 `jax.closure_convert`; they are saved as they are, never encoded.
+
+What is saved (``save=``):
+
+``"inputs"`` (default, the least memory)
+    As `jax.checkpoint` with nothing saveable: only the encoded inputs. The backward recomputes
+    `fun` from the *decoded* inputs, so anything derived from them differs from the forward by
+    the codec's error, gates included: a ReLU whose pre-activation is within the codec's error
+    of zero can be open in the forward and closed in the recomputation.
+``"residuals"`` (ActNN-style, the most faithful gradients)
+    The forward linearizes `fun` (with hifigrad, so the backward runs in tangent precision) and
+    saves the residuals its backward needs, each as follows. A float residual that depends on
+    an encoded input and has at least as many elements as the smallest encoded input is saved
+    encoded (smaller ones, such as LayerNorm's per-row statistics, are saved as they are); a
+    bool one (a ReLU mask) is bit-packed, 8 per byte, losslessly; an integer one is saved as
+    it is. Residuals that do not depend on any encoded input (casts of the parameters,
+    constants such as the zeros of a ReLU's select) are not saved but recomputed in the
+    backward from the inputs that are saved as they are. Nothing is recomputed from lossy
+    data, so the backward's gates are the forward's exactly. It costs more memory than
+    ``"inputs"`` when a block keeps several activation-sized residuals (a tanh-GELU keeps
+    five), and about the same for a Dense + ReLU block (its input, encoded, and a 1-bit mask).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.tree_util import tree_flatten, tree_unflatten
 
+from . import compat
 from .codecs import Codec, Encoded, get_codec
 from .policy import Policy, resolve_policy
 
 __all__ = ["checkpoint", "scan"]
+
+_SAVE = ("inputs", "residuals")
+
+
+def _check_save(save: str) -> str:
+    if save not in _SAVE:
+        raise ValueError(f"save must be one of {_SAVE}; got {save!r}.")
+    return save
 
 
 def _is_float(x) -> bool:
@@ -42,8 +73,9 @@ def _check_encodable(x):
 
 
 def _encoded_call(fun_flat: Callable, codec: Codec, policy: Policy, encode: Sequence[bool],
-                  args: Sequence, consts: Sequence):
-    return _ckpt(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts))
+                  args: Sequence, consts: Sequence, save: str = "inputs"):
+    call = _ckpt if save == "inputs" else _ckpt_res
+    return call(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -86,6 +118,170 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, res, cts):
 _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
 
 
+# ------------------------------------------------------------------------------ save="residuals"
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ckpt_res(fun_flat, codec, policy, encode, args, consts):
+    return fun_flat(*args, *consts)
+
+
+class _Plan:
+    """Static: how each residual leaf of the pullback is kept (held in the residuals' treedef).
+
+    ``kinds[i]`` is ``"encode"``, ``"bits"`` (a bit-packed bool), ``"keep"`` or
+    ``"recompute"``. The recomputed leaves are outputs of ``jaxpr`` (the forward and its
+    residuals) that depend on none of the encoded inputs: the backward evaluates just the
+    equations they need, on the inputs saved as they are.
+    """
+
+    def __init__(self, kinds, avals, vjp_tree, jaxpr, n_out, encoded_in):
+        self.kinds, self.avals, self.vjp_tree = kinds, avals, vjp_tree
+        self.jaxpr, self.n_out, self.encoded_in = jaxpr, n_out, encoded_in
+
+
+jax.tree_util.register_pytree_node(_Plan, lambda p: ((), p), lambda p, _: p)
+
+
+def _call_jaxpr(eqn):
+    """The sub-jaxpr of a call-like equation with the equation's arity, or None."""
+    from .rules import CALL_PRIMITIVES, _call_jaxpr_param
+
+    if eqn.primitive not in CALL_PRIMITIVES:
+        return None
+    jaxpr = compat.jaxpr_and_consts(_call_jaxpr_param(eqn))[0]
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return jaxpr
+
+
+def _depends(jaxpr, in_flags: Sequence[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on the inputs flagged in `in_flags` (any dtype).
+
+    Call-like equations (jit, custom_jvp/vjp calls, remat) are looked into; for any other
+    equation every output depends on every input (an over-approximation, which only ever makes
+    a residual saved rather than recomputed).
+    """
+    dep: dict = {v: bool(f) for v, f in zip(jaxpr.invars, in_flags)}
+
+    def read(v):
+        return False if compat.is_literal(v) else dep.get(v, False)
+
+    for eqn in jaxpr.eqns:
+        flags = [read(v) for v in eqn.invars]
+        if not any(flags):
+            continue
+        sub = _call_jaxpr(eqn)
+        out = _depends(sub, flags) if sub is not None else [True] * len(eqn.outvars)
+        for v, f in zip(eqn.outvars, out):
+            if not compat.is_dropvar(v):
+                dep[v] = f
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_outputs(jaxpr, consts, args, want: Sequence[bool]) -> list:
+    """The outputs of `jaxpr` marked in `want`, evaluating only the equations they need."""
+    needed = {v for v, w in zip(jaxpr.outvars, want) if w and not compat.is_literal(v)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars if not compat.is_dropvar(v)):
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if not compat.is_literal(v))
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if compat.is_literal(v) else env[v]
+
+    for eqn in reversed(live):
+        outs = compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
+    return [read(v) for v, w in zip(jaxpr.outvars, want) if w]
+
+
+def _pack_bits(x):
+    return jnp.packbits(x.reshape(-1))
+
+
+def _unpack_bits(packed, aval):
+    n = math.prod(aval.shape)
+    return jnp.unpackbits(packed, count=n).astype(jnp.bool_).reshape(aval.shape)
+
+
+def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
+    from .api import _vjp
+    from .rules import PROMOTE
+
+    box: list = []
+
+    def outs_and_residuals(*xs):
+        out, vjp_fn = _vjp(lambda *a: fun_flat(*a), xs, False, policy, PROMOTE)
+        leaves, tree = tree_flatten(vjp_fn)
+        box.append((tree, len(out)))
+        return [*out, *leaves]
+
+    everything = (*args, *consts)
+    jaxpr, jconsts, _ = compat.make_jaxpr_closed(outs_and_residuals, *everything)
+    vjp_tree, n_out = box[-1]
+    vals = _eval_outputs(jaxpr, jconsts, everything, [True] * len(jaxpr.outvars))
+    out, leaves = vals[:n_out], vals[n_out:]
+
+    encoded_in = tuple(encode) + (False,) * len(consts)
+    dep = _depends(jaxpr, encoded_in)[n_out:]
+    sizes = [math.prod(np.shape(a)) for a, e in zip(args, encode) if e]
+    min_size = min(sizes) if sizes else math.inf
+    kinds, saved = [], []
+    for leaf, d in zip(leaves, dep):
+        dt = jnp.result_type(leaf)
+        if not d:
+            kinds.append("recompute")
+            continue
+        if jnp.issubdtype(dt, jnp.floating) and math.prod(np.shape(leaf)) >= min_size:
+            kinds.append("encode")
+            saved.append(codec.encode(leaf))
+        elif dt == jnp.bool_:
+            kinds.append("bits")
+            saved.append(_pack_bits(leaf))
+        else:
+            kinds.append("keep")
+            saved.append(leaf)
+    kept = [x for x, e in zip(everything, encoded_in) if not e]
+    avals = tuple(jax.ShapeDtypeStruct(np.shape(l), jnp.result_type(l)) for l in leaves)
+    plan = _Plan(tuple(kinds), avals, vjp_tree, jaxpr, n_out, encoded_in)
+    dtypes = _Dtypes(tuple(jnp.result_type(x) for x in everything))
+    return out, (saved, kept, list(jconsts), plan, dtypes)
+
+
+def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
+    del fun_flat, policy
+    saved, kept, jconsts, plan, dtypes = res
+    # The encoded inputs are not saved; no recomputed leaf depends on them, so zeros stand in.
+    kept_it = iter(kept)
+    inputs = [jnp.zeros(v.aval.shape, v.aval.dtype) if e else next(kept_it)
+              for v, e in zip(plan.jaxpr.invars, plan.encoded_in)]
+    want = [False] * plan.n_out + [k == "recompute" for k in plan.kinds]
+    recomputed = iter(_eval_outputs(plan.jaxpr, jconsts, inputs, want))
+    saved_it = iter(saved)
+    leaves = []
+    for k, aval in zip(plan.kinds, plan.avals):
+        if k == "recompute":
+            leaves.append(next(recomputed))
+        elif k == "encode":
+            leaves.append(codec.decode(next(saved_it), aval.dtype))
+        elif k == "bits":
+            leaves.append(_unpack_bits(next(saved_it), aval))
+        else:
+            leaves.append(next(saved_it))
+    vjp_fn = tree_unflatten(plan.vjp_tree, leaves)
+    cts_in = vjp_fn(list(cts))
+    cast = [lax.convert_element_type(c, dt) if jnp.issubdtype(dt, jnp.floating) else c
+            for c, dt in zip(cts_in, dtypes.dtypes)]
+    n = len(encode)
+    return tuple(cast[:n]), tuple(cast[n:])
+
+
+_ckpt_res.defvjp(_ckpt_res_fwd, _ckpt_res_bwd)
+
+
 def _flat_closure(fun: Callable, args: tuple, in_tree):
     box: list = []
 
@@ -99,15 +295,20 @@ def _flat_closure(fun: Callable, args: tuple, in_tree):
 
 
 def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
-               tangent_dtype=None) -> Callable:
-    """Like `jax.checkpoint`, but saves `fun`'s float array inputs encoded with `codec`.
+               tangent_dtype=None, save: str = "inputs") -> Callable:
+    """Like `jax.checkpoint`, but what it saves for the backward is encoded with `codec`.
 
     Args:
       fun: the function to checkpoint.
       codec: a codec or its name ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
         "int2").
-      policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
+      policy: a `hifigrad.Policy` for the backward (float32 by default).
       tangent_dtype: shorthand for ``Policy(tangent_dtype=...)``.
+      save: ``"inputs"`` saves `fun`'s float array inputs encoded and recomputes `fun` from
+        them in the backward (the least memory); ``"residuals"`` saves the residuals of
+        `fun`'s backward, activation-sized float ones encoded and bool masks bit-packed, and
+        recomputes nothing from lossy data (the most faithful gradients; see the module
+        docstring).
 
     Returns:
       A function with `fun`'s signature. Its forward is `fun` unchanged.
@@ -116,9 +317,13 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
     >>> f = hg.checkpoint(lambda x: jnp.tanh(x) * 2, codec="int8")
     >>> jax.grad(lambda x: f(x).sum())(jnp.ones(4)).dtype
     dtype('float32')
+    >>> g = hg.checkpoint(lambda x: jax.nn.relu(x), codec="fp8_e4m3", save="residuals")
+    >>> jax.grad(lambda x: g(x).sum())(jnp.array([-1.0, 2.0]))
+    Array([0., 1.], dtype=float32)
     """
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
+    save = _check_save(save)
 
     @functools.wraps(fun)
     def wrapped(*args):
@@ -127,26 +332,29 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
         flat, in_tree = tree_flatten(args)
         flat = [jnp.asarray(x) for x in flat]
         encode = [_is_float(x) for x in flat]
-        return _run(fun, flat, in_tree, encode, codec, policy)
+        return _run(fun, flat, in_tree, encode, codec, policy, save)
 
     return wrapped
 
 
-def _run(fun, flat, in_tree, encode, codec, policy):
+def _run(fun, flat, in_tree, encode, codec, policy, save="inputs"):
     fun_flat, box = _flat_closure(fun, flat, in_tree)
     converted, consts = jax.closure_convert(fun_flat, *flat)
-    out = _encoded_call(converted, codec, policy, encode, flat, consts)
+    out = _encoded_call(converted, codec, policy, encode, flat, consts, save)
     return tree_unflatten(box[-1], list(out))
 
 
 def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = False,
          unroll: int | bool = 1, *, codec, policy: Policy | None = None,
-         tangent_dtype=None):
+         tangent_dtype=None, save: str = "inputs"):
     """`lax.scan` whose steps save their carry encoded with `codec` and are recomputed in the
     backward (in tangent precision).
 
     The per-step inputs `xs` (for example stacked layer parameters) are saved as they are; the
-    carry (the activations passed between steps) is what gets compressed.
+    carry (the activations passed between steps) is what gets compressed. With
+    ``save="residuals"`` each step saves the residuals of its backward that derive from the
+    carry, encoded (bool masks bit-packed), instead of the carry, and nothing is recomputed
+    from lossy data (see `checkpoint`).
 
     >>> import jax, jax.numpy as jnp, hifigrad as hg
     >>> def body(c, w):
@@ -158,6 +366,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     """
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
+    save = _check_save(save)
     for x in jax.tree_util.tree_leaves(init, is_leaf=lambda v: isinstance(v, Encoded)):
         _check_encodable(x)
 
@@ -167,6 +376,6 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         flat = [jnp.asarray(a) for a in flat]
         n_carry = len(tree_flatten(carry)[0])
         encode = [i < n_carry and _is_float(a) for i, a in enumerate(flat)]
-        return _run(f, flat, in_tree, encode, codec, policy)
+        return _run(f, flat, in_tree, encode, codec, policy, save)
 
     return lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)

@@ -296,6 +296,16 @@ def callback_rule(interp: Interpreter, eqn, invals, inflags):
     return interp.fallback(eqn, invals, inflags)
 
 
+def fft_rule(interp: Interpreter, eqn, invals, inflags):
+    """`fft`: a real input (rfft) is promoted like any float; complex values keep their dtype,
+    as everywhere in hifigrad (complex64 already holds float32 parts)."""
+    args = [interp.cast_up(x, f) if _floating(x) else x for x, f in zip(invals, inflags)]
+    outs = compat.bind_eqn(eqn, args)
+    outs = [interp.cast_like(o, v.aval) if not _floating_aval(v.aval) else o
+            for o, v in zip(outs, eqn.outvars)]
+    return outs, [True] * len(outs)
+
+
 def scatter_rule(interp: Interpreter, eqn, invals, inflags):
     """Scatters carry a typed update jaxpr: re-traced through `lax` at the promoted dtype."""
     operand, indices, updates = invals
@@ -348,8 +358,9 @@ PROMOTE.register(compat.primitives_named(ELEMENTWISE + STRUCTURAL + LINALG + COL
                  promote_rule)
 PROMOTE.register([compat.add_jaxvals_p, compat.sharding_constraint_p, compat.mesh_cast_p,
                   compat.reshard_p, compat.device_put_p, compat.optimization_barrier_p,
-                  compat.debug_callback_p, compat.copy_p, compat.select_and_gather_add_p,
-                  compat.select_and_scatter_add_p, compat.reduce_window_sum_p, compat.cumsum_p,
+                  compat.debug_callback_p, compat.debug_print_p, compat.copy_p,
+                  compat.select_and_gather_add_p, compat.select_and_scatter_add_p,
+                  compat.reduce_window_sum_p, compat.cumsum_p,
                   compat.psum_p, compat.pvary_p, compat.pcast_p, compat.pbroadcast_p],
                  promote_rule)
 PROMOTE.register(lax.convert_element_type_p, convert_rule)
@@ -357,9 +368,14 @@ PROMOTE.register(upcast_p, promote_rule)  # a backward that is itself differenti
 PROMOTE.register(compat.primitives_named(["scatter", "scatter-add", "scatter_add", "scatter_mul",
                                           "scatter_min", "scatter_max", "scatter_sub"]),
                  scatter_rule)
+PROMOTE.register(compat.primitives_named(["fft"]), fft_rule)
 PROMOTE.register(compat.scan_p, scan_rule, scan_flags)
 PROMOTE.register(compat.while_p, while_rule, while_flags)
 PROMOTE.register(compat.cond_p, cond_rule, cond_flags)
+# Call-like primitives: one sub-jaxpr (`_call_jaxpr_param`) whose trailing inputs are the
+# equation's.
+CALL_PRIMITIVES = frozenset(p for p in (compat.pjit_p, compat.custom_jvp_call_p,
+                                        compat.custom_vjp_call_p, compat.remat_p) if p)
 PROMOTE.register([compat.pjit_p, compat.custom_jvp_call_p, compat.custom_vjp_call_p],
                  inline_rule, call_flags)
 PROMOTE.register(compat.remat_p, remat_rule, call_flags)
