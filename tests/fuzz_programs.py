@@ -315,8 +315,8 @@ class _Gen:
         b = self.pick(pool)
         k = a.shape[-1]
         kind = self.draw(st.integers(0, 4))
-        if kind == 4 and a.ndim == 1:  # 1-D convolution
-            m = self.draw(st.integers(1, 3))
+        if kind == 4 and a.ndim == 1:  # 1-D convolution ('same': a kernel no longer than a)
+            m = self.draw(st.integers(1, min(3, a.shape[0])))
             b_expr = self.fit(b, (m,), a.dt)
             out = V(self.name(), a.shape, a.dt)
             return [f"{out.name} = jnp.convolve({a.name}, {b_expr}, mode='same')"], [out]

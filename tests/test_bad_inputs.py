@@ -579,7 +579,11 @@ def test_codec_groups_through_scan(codec, kind, dtype):
         assert not np.all(np.isfinite(np.asarray(dec, np.float32)[2]))
         assert not np.all(np.isfinite(gw[0, 2])), "a NaN/inf group must not be hidden"
     if kind in ("zero", "subnormal"):
-        assert not np.any(np.asarray(dec, np.float32)[2] > 1e-30)  # zero or tiny, not noise
+        # Zero, or the tiny value itself (a backend may flush subnormals to zero, and
+        # stochastic int codes may round it down), never noise: within the coarsest codec's
+        # rounding (int2, one level: its bf16 scale rounded up) of the value.
+        d = np.asarray(dec, np.float32)[2]
+        assert np.all((d == 0) | (np.abs(d - special) <= 2.0 ** -6 * special)), d
     np.testing.assert_allclose(gc, rc, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gw, rw, rtol=1e-5, atol=1e-6)
 

@@ -78,12 +78,17 @@ def _maybe_jit(f, jit):
 # ------------------------------------------------------------------------------ the checks
 
 def check_f32(make, inputs, seed, *, tree=False, jit=True):
-    """Property 1: with every dtype name bound to float32, hg.grad == jax.grad."""
+    """Property 1: with every dtype name bound to float32, hg.grad == jax.grad. Returns False
+    when jax.grad rejects the program, else True."""
     prog = fp.Program("", tuple(inputs), ("f32",) * 3, seed, 0, 0, tree)
     binding = prog.binding(all_f32=True)
     f = make(*(binding[n] for n in fp.FACTORY_ARGS))
     args, argnums = prog.call_args(fp.make_args(inputs, binding, seed))
-    want = _maybe_jit(jax.grad(f, argnums), jit)(*args)
+    try:
+        want = _maybe_jit(jax.grad(f, argnums), jit)(*args)
+    except Exception as e:  # noqa: BLE001 - property 1 is only defined where jax.grad works
+        note(f"jax.grad fails: {type(e).__name__}: {e}")
+        return False
     got = _maybe_jit(hg.grad(f, argnums), jit)(*args)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     w_leaves, g_leaves = _leaves(want), _leaves(got)
@@ -92,6 +97,7 @@ def check_f32(make, inputs, seed, *, tree=False, jit=True):
         assert g.dtype == w.dtype == F32 and g.shape == w.shape
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=F32_RTOL,
                                    atol=F32_RTOL * scale)
+    return True
 
 
 def low_tolerance(ops: int) -> float:
@@ -231,3 +237,46 @@ def test_generator_is_deterministic_and_covers_the_constructs():
 
 # ------------------------------------------------------------------------------ regressions
 # Minimal programs of failures the fuzzer found (shrunk by hypothesis), written out.
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_regression_precise_backward_closing_over_a_traced_value(jit):
+    """Found on jax 0.10.2 and 0.12: `hg.precise_backward(fn)` where `fn` closes over a value
+    being differentiated (here a `fori_loop` carry) raised JAX's "custom_vjp function with
+    respect to a closed-over value" error, under `jax.grad` as under `hg.grad`. Closed-over
+    values are now explicit inputs of its custom_vjp (`jax.closure_convert`)."""
+    def f(x0):
+        def body1(i2, c3):
+            def fn5(a4):
+                return jnp.tanh(c3) * a4
+            return hg.precise_backward(fn5)(c3)
+        v8 = lax.fori_loop(0, 1, body1, x0)
+        return jnp.sum(v8 * W((2,))).astype(F32)
+
+    x = jnp.array([0.3, -0.7], F32)
+    want = jax.grad(lambda x: jnp.sum(jnp.tanh(x) * x * W((2,))))(x)
+    for grad in (jax.grad, hg.grad):
+        got = _maybe_jit(grad(f), jit)(x)
+        np.testing.assert_allclose(got, want, rtol=F32_RTOL)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_regression_unused_output_of_a_custom_vjp_inside_hg_grad(jit):
+    """Found on jax 0.12: a `custom_vjp` output with no cotangent (here the stacked outputs of
+    an `hg.scan`, unused by the loss) reaches the promoted rule as a `SymbolicZero`, which was
+    passed on to `div`. Such cotangents are now instantiated as zeros."""
+    def f(x0, x1):
+        v2 = x1[0]
+
+        def body14(carry, e6):
+            (c3, c4), k5 = carry
+            return ((e6, v2), k5 + 1), c4
+
+        ((v15, v16), _), v17 = hg.scan(body14, ((x0, x0), jnp.int32(0)), x1, codec="int2")
+        return jnp.sum(v16 / 1.5)
+
+    x0, x1 = jnp.float32(0.5), jnp.array([0.1, 0.2, -0.3, 0.4], F32)
+    want = jax.grad(f, (0, 1))(x0, x1)  # all float32: jax.grad runs the same hg.scan backward
+    got = _maybe_jit(hg.grad(f, (0, 1)), jit)(x0, x1)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=F32_RTOL)

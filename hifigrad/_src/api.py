@@ -341,29 +341,33 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
             out_tree_box.append(out_tree)
             return [jnp.asarray(o) for o in out_flat]
 
-        out = _precise_call(fun_flat, policy, tuple(flat))
+        # Values `fun` closes over (a caller's traced parameters) become explicit inputs, so
+        # that an outer jax.grad differentiates with respect to them too.
+        converted, consts = jax.closure_convert(fun_flat, *flat)
+        out = _precise_call(converted, policy, tuple(flat), tuple(consts))
         return tree_unflatten(out_tree_box[-1], out)
 
     return wrapped
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _precise_call(fun_flat, policy, args):
-    return fun_flat(*args)
+def _precise_call(fun_flat, policy, args, consts):
+    return fun_flat(*args, *consts)
 
 
-def _precise_fwd(fun_flat, policy, args):
-    out, vjp_fn = _vjp(lambda *a: fun_flat(*a), args, False, policy, PROMOTE)
-    return out, vjp_fn
+def _precise_fwd(fun_flat, policy, args, consts):
+    return _vjp(lambda a, c: fun_flat(*a, *c), (args, consts), False, policy, PROMOTE)
 
 
 def _precise_bwd(fun_flat, policy, vjp_fn, cts):
     del fun_flat, policy
-    cts_in = vjp_fn(list(cts))
     info: _VjpInfo = vjp_fn.func.args[0]
+    cts_in = tree_flatten(vjp_fn(list(cts)))[0]
     # JAX requires each cotangent in its input's dtype at this boundary.
-    return (tuple(lax.convert_element_type(c, a.dtype) if _is_diff(c) else c
-                  for c, a in zip(cts_in, info.in_avals)),)
+    cast = [lax.convert_element_type(c, a.dtype) if _is_diff(c) else c
+            for c, a in zip(cts_in, info.in_avals)]
+    args_ct, consts_ct = tree_unflatten(info.in_tree, cast)
+    return tuple(args_ct), tuple(consts_ct)
 
 
 _precise_call.defvjp(_precise_fwd, _precise_bwd)

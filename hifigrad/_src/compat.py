@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.extend  # noqa: F401  (jax.extend must be imported explicitly)
 import numpy as np
+from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import linear_util as _lu
@@ -209,6 +210,19 @@ def wrap_bwd(fn: Callable, like) -> Any:
             return inner(*args), None
 
     return _lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def dense_cotangent(ct, dtype_of: Callable[[Any], Any]):
+    """`ct`, or zeros in ``dtype_of(aval dtype)`` where `ct` is a symbolic zero.
+
+    jax >= 0.12 hands a custom_lin `bwd` the zero cotangents of unused outputs as
+    `SymbolicZero` objects (the user rule's own wrapper instantiates them unless it asked for
+    symbolic zeros); a replacement `bwd` must do the same.
+    """
+    if isinstance(ct, (_ad_util.SymbolicZero, _ad.Zero)):
+        aval = ct.aval
+        return np.zeros(aval.shape, dtype_of(aval.dtype))
+    return ct
 
 
 def custom_lin_bind(invals: Sequence[Any], params: dict) -> list[Any]:

@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 
 from . import compat
+from .dtypes import is_real_float
 from .interpreter import Interpreter, RuleTable
 from .primitives import upcast_p
 
@@ -212,6 +213,11 @@ def shard_map_rule(interp: Interpreter, eqn, invals, inflags):
     return outs, out_f
 
 
+def _up_float(interp: Interpreter):
+    """dtype -> its promoted dtype for real floats, itself otherwise (float0, ints)."""
+    return lambda d: interp.up(d) if is_real_float(d) else np.dtype(d)
+
+
 def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
     """A user `custom_vjp` backward. Its rule is traced at the dtypes JAX declares (cotangent in
     the primal's dtype), which keeps the user's code type-correct, then promoted: the cotangent
@@ -224,7 +230,8 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
                      if _floating_aval(a) else a for a in out_avals]
 
     def new_bwd(*args):
-        r, cts = args[:num_res], args[num_res:]
+        r = args[:num_res]
+        cts = [compat.dense_cotangent(c, _up_float(interp)) for c in args[num_res:]]
 
         def traced(r, cts_lo):
             return compat.custom_lin_call_bwd(old_bwd, r, cts_lo)
