@@ -73,21 +73,25 @@ def _check_encodable(x):
 
 
 def _encoded_call(fun_flat: Callable, codec: Codec, policy: Policy, encode: Sequence[bool],
-                  args: Sequence, consts: Sequence, save: str = "inputs"):
-    call = _ckpt if save == "inputs" else _ckpt_res
-    return call(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts))
+                  args: Sequence, consts: Sequence, save: str = "inputs", state=None):
+    if save == "residuals":
+        return _ckpt_res(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts))
+    return _ckpt(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts),
+                 {} if state is None else dict(state))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ckpt(fun_flat, codec, policy, encode, args, consts):
+def _ckpt(fun_flat, codec, policy, encode, args, consts, state):
+    del state
     return fun_flat(*args, *consts)
 
 
-def _ckpt_fwd(fun_flat, codec, policy, encode, args, consts):
+def _ckpt_fwd(fun_flat, codec, policy, encode, args, consts, state):
     out = fun_flat(*args, *consts)
-    saved = tuple(codec.encode(x) if e else x for x, e in zip(args, encode))
+    kw = {"state": state} if state else {}  # a delayed-scaling codec's state
+    saved = tuple(codec.encode(x, **kw) if e else x for x, e in zip(args, encode))
     dtypes = tuple(jnp.result_type(x) for x in args)
-    return out, (saved, consts, _Dtypes(dtypes))
+    return out, (saved, consts, _Dtypes(dtypes), state)
 
 
 class _Dtypes:
@@ -105,14 +109,15 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, res, cts):
     from .api import _vjp
     from .rules import PROMOTE
 
-    saved, consts, dtypes = res
+    saved, consts, dtypes, state = res
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
     _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
     cts_in = vjp_fn(cts)
     cast = [lax.convert_element_type(c, jnp.result_type(x)) if _is_float(x) else c
             for c, x in zip(cts_in, (*args, *consts))]
-    return tuple(cast[:n]), tuple(cast[n:])
+    # The scaling state is not differentiated (like an optimizer state).
+    return tuple(cast[:n]), tuple(cast[n:]), jax.tree_util.tree_map(jnp.zeros_like, state)
 
 
 _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
@@ -337,16 +342,39 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
     return wrapped
 
 
-def _run(fun, flat, in_tree, encode, codec, policy, save="inputs"):
+def _run(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None):
     fun_flat, box = _flat_closure(fun, flat, in_tree)
     converted, consts = jax.closure_convert(fun_flat, *flat)
-    out = _encoded_call(converted, codec, policy, encode, flat, consts, save)
+    out = _encoded_call(converted, codec, policy, encode, flat, consts, save, state)
     return tree_unflatten(box[-1], list(out))
+
+
+def _is_stateful(codec) -> bool:
+    """Whether `codec` scales with a state the caller threads (delayed scaling)."""
+    return callable(getattr(codec, "init_state", None)) and callable(
+        getattr(codec, "update_state", None))
+
+
+def _check_codec_state(codec, codec_state, save: str, where: str):
+    if _is_stateful(codec):
+        if codec_state is None:
+            raise TypeError(
+                f"{where}: codec {codec.name!r} uses delayed scaling and needs its state: pass "
+                f"codec_state=codec.init_state() (then codec.update_state(state, amaxes) with "
+                f"the amaxes {where} returns), or use a current-scaling codec such as "
+                f"'fp8_e4m3'.")
+        if save != "inputs":
+            raise ValueError(
+                f"{where}: a delayed-scaling codec's scale is the carry's, so it only applies "
+                f"to save='inputs'; got save={save!r}.")
+    elif codec_state is not None:
+        raise TypeError(f"{where}: codec_state is only for delayed-scaling codecs (such as "
+                        f"DelayedFP8Codec); codec {codec.name!r} keeps no state.")
 
 
 def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = False,
          unroll: int | bool = 1, *, codec, policy: Policy | None = None,
-         tangent_dtype=None, save: str = "inputs"):
+         tangent_dtype=None, save: str = "inputs", codec_state=None):
     """`lax.scan` whose steps save their carry encoded with `codec` and are recomputed in the
     backward (in tangent precision).
 
@@ -355,6 +383,13 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     ``save="residuals"`` each step saves the residuals of its backward that derive from the
     carry, encoded (bool masks bit-packed), instead of the carry, and nothing is recomputed
     from lossy data (see `checkpoint`).
+
+    Delayed scaling (`hifigrad.codecs.DelayedFP8Codec`, as in the seed issue and Flax's
+    ``fp8_ops``): pass ``codec_state``; every step's carry is then encoded with its scale, and
+    ``hg.scan`` returns ``(carry, ys, amaxes)``, ``amaxes[i]`` being ``max|carry|`` of step
+    ``i`` (the max over the encoded carry leaves). The caller threads the state through
+    training, ``state = codec.update_state(state, amaxes)``: the max over all steps (and
+    microbatches) becomes the next history entry.
 
     >>> import jax, jax.numpy as jnp, hifigrad as hg
     >>> def body(c, w):
@@ -367,6 +402,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
     save = _check_save(save)
+    _check_codec_state(codec, codec_state, save, "hifigrad.scan")
     for x in jax.tree_util.tree_leaves(init, is_leaf=lambda v: isinstance(v, Encoded)):
         _check_encodable(x)
 
@@ -376,6 +412,18 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         flat = [jnp.asarray(a) for a in flat]
         n_carry = len(tree_flatten(carry)[0])
         encode = [i < n_carry and _is_float(a) for i, a in enumerate(flat)]
-        return _run(f, flat, in_tree, encode, codec, policy, save)
+        out = _run(f, flat, in_tree, encode, codec, policy, save, codec_state)
+        if codec_state is None:
+            return out
+        encoded = [a for a, e in zip(flat, encode) if e]
+        amax = lax.stop_gradient(jnp.max(jnp.stack(
+            [jnp.max(jnp.abs(a)).astype(jnp.float32) for a in encoded]))) if encoded else \
+            jnp.zeros((), jnp.float32)
+        new_carry, y = out
+        return new_carry, (y, amax)
 
-    return lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
+    carry, ys = lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
+    if codec_state is None:
+        return carry, ys
+    ys, amaxes = ys
+    return carry, ys, amaxes
