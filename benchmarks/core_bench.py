@@ -173,6 +173,22 @@ def hlo_diff(a, b):
             f"{fmt(plus) or 'none'}; only in jax: {fmt(minus) or 'none'}")
 
 
+def rounded_f32_copies(hlo_text, shapes):
+    """Bytes of f32 arrays of the given shapes that the compiled program computes as
+    ``convert(convert(x, bf16), f32)``: float32 copies of bf16-rounded values (here: of the
+    bf16-cast stacked weights), found as fused computations whose body is that pair."""
+    total = 0
+    for m in re.finditer(r"\n(%[\w.\-]+) \(([^)]*)\) -> f32\[([0-9,]*)\] \{\n(.*?)\n\}",
+                         hlo_text, re.S):
+        dims = tuple(int(d) for d in m.group(3).split(",") if d)
+        body = m.group(4)
+        if dims in shapes and re.search(r"= bf16\[[0-9,]*\]\S* convert\(", body) and \
+                re.search(r"ROOT \S+ = f32\[[0-9,]*\]\S* convert\(", body):
+            uses = len(re.findall(r"calls=" + re.escape(m.group(1)) + r"\b", hlo_text))
+            total += 4 * math.prod(dims) * uses
+    return total
+
+
 def compile_once(g, args):
     jax.clear_caches()
     c0, t0 = time.process_time(), time.perf_counter()
@@ -268,6 +284,9 @@ def main(argv=None):
                 r["arg_bytes"] = int(ma.argument_size_in_bytes)
                 r["out_bytes"] = int(ma.output_size_in_bytes)
                 r["hlo_ops"] = hlo_ops(compiled.as_text())
+                r["rounded_f32_copy_bytes"] = rounded_f32_copies(
+                    compiled.as_text(), {tuple(np.shape(v)) for v in
+                                         jax.tree_util.tree_leaves(params["blocks"])})
                 try:
                     grads = compiled(*call_args)
                     jax.block_until_ready(grads)
@@ -431,11 +450,18 @@ def main(argv=None):
         f"rows run the same work and their step-time difference is measurement noise.")
     n_stacked = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params["blocks"]))
     a, b = get("hg.grad bf16 exact", "temp_bytes"), get("jax.grad bf16", "temp_bytes")
+    ca, cb = get("hg.grad bf16 exact", "rounded_f32_copy_bytes"), get("jax.grad bf16",
+                                                                         "rounded_f32_copy_bytes")
     temp_note = "" if a is None or b is None else (
-        f"bf16 temp, hg exact - jax: {fmt_bytes(a - b)}. For comparison, the stacked block "
-        f"parameters have {n_stacked/1e6:.2f}M elements, so the backward scan's stacked "
-        f"per-block weight cotangents cost {fmt_bytes(2 * n_stacked)} more in float32 (hg) than "
-        f"in bfloat16 (jax.grad, which converts them to f32 only after the loop).")
+        f"bf16 temp, hg exact - jax: {fmt_bytes(a - b)} ({n_stacked/1e6:.2f}M stacked block "
+        f"weights: 2 bytes each would be {fmt_bytes(2 * n_stacked)}). Float32 copies of the "
+        f"bf16-cast stacked weights (`convert(convert(w, bf16), f32)` fusions) in the compiled "
+        f"programs: hg {fmt_bytes(ca)}, jax.grad {fmt_bytes(cb)}. XLA:CPU's "
+        f"`float-normalization-bf16` pass makes such copies: it rewrites a bf16 "
+        f"`dynamic-slice` of a loop-carried stack as a slice of an f32 copy of the whole stack "
+        f"(see it with `XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_pass_re=.*`); backends "
+        f"with native bf16 (GPU, TPU) do not run it. In the jaxpr, hifigrad up-casts each "
+        f"residual slice inside the backward loop (`hifigrad_upcast`), never a whole stack.\n")
     elapsed = time.perf_counter() - t_start
 
     md = [
