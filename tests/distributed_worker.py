@@ -320,7 +320,8 @@ def _result_types(lines):
 def _after_spmd_partitioning(module_name):
     import glob
 
-    files = sorted(glob.glob(os.path.join(HLO_DUMP_DIR, f"*{module_name}*after_spmd-partitioning*")))
+    pattern = os.path.join(HLO_DUMP_DIR, f"*{module_name}*after_spmd-partitioning*")
+    files = sorted(glob.glob(pattern))
     assert files, (module_name, os.listdir(HLO_DUMP_DIR))
     with open(files[-1]) as f:
         return f.read()

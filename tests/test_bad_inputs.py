@@ -177,7 +177,8 @@ def test_int_input_without_allow_int_is_the_jax_error():
         hg.grad(lambda b: jnp.sum(b))(jnp.array([True, False]))
 
 
-@pytest.mark.parametrize("idx", [jnp.arange(3), jnp.array([True, False, True])], ids=["int", "bool"])
+@pytest.mark.parametrize("idx", [jnp.arange(3), jnp.array([True, False, True])],
+                         ids=["int", "bool"])
 def test_int_and_bool_inputs_with_allow_int_get_float0(idx, maybe_jit):
     x = jnp.array([0.5, -1.0, 2.0], BF16)
     gx, gi = maybe_jit(hg.grad(_fi, argnums=(0, 1), allow_int=True))(x, idx)
@@ -231,7 +232,8 @@ def test_zero_size_arrays(maybe_jit):
         (lambda x: jnp.sum(jnp.tanh(x)).astype(F32), (jnp.ones((0, 3), BF16),)),
         (lambda a, b: jnp.sum(a @ b).astype(F32), (jnp.ones((2, 0), BF16), jnp.ones((0, 3), BF16))),
         (lambda w, xs: lax.scan(lambda c, x: (jnp.tanh(c * w + x), None), jnp.zeros(3, BF16),
-                                xs)[0].astype(F32).sum(), (jnp.ones(3, BF16), jnp.ones((0, 3), BF16))),
+                                xs)[0].astype(F32).sum(),
+         (jnp.ones(3, BF16), jnp.ones((0, 3), BF16))),
         (lambda x, y: jnp.sum(jnp.concatenate([x, y]) ** 2).astype(F32),
          (jnp.ones(0, F16), jnp.ones(2, F16))),
     ]
@@ -467,7 +469,7 @@ def test_callbacks_in_a_backward_run_at_their_declared_dtypes():
         np.testing.assert_allclose(g, jax.grad(f)(x).astype(F32), rtol=2e-2)
 
 
-# ------------------------------------------------------------------------------ unsupported primitive
+# ------------------------------------------------------------------------- unsupported primitive
 
 def _make_opaque():
     from hifigrad._src import compat

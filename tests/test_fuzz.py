@@ -34,19 +34,19 @@ from __future__ import annotations
 
 import os
 
+import fuzz_programs as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fuzz_programs import W, checkpoint_name, fit  # noqa: F401  (used by the programs written out below)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import note as _hnote
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from jax import lax  # noqa: F401  (used by the programs written out below)
 
-import fuzz_programs as fp
 import hifigrad as hg
-from fuzz_programs import W, checkpoint_name, fit  # noqa: F401  (used by the programs written out below)
 
 F32 = jnp.float32
 F32_RTOL = 1e-6
@@ -231,7 +231,8 @@ def test_generator_is_deterministic_and_covers_the_constructs():
                       "jax.custom_vjp", "jax.custom_jvp", "jax.jit", "jax.vmap", "jax.grad",
                       "lax.while_loop", "@", "preferred_element_type", ".at[", "reduce_window",
                       "jnp.linalg.solve", "astype(F32) for c in vjp(g)", "reverse=True",
-                      "unroll=2", "length=", "jnp.argmax", "astype(D8)", "checkpoint_name", "jnp.fft.rfft", "jnp.fft.fft"]:
+                      "unroll=2", "length=", "jnp.argmax", "astype(D8)", "checkpoint_name",
+                      "jnp.fft.rfft", "jnp.fft.fft"]:
         assert construct in text, construct
 
 
