@@ -608,27 +608,26 @@ class _Gen:
         lines = self.sub_function(fname, params, pool, depth, oshape, odt, closure=closure)
         return fname, lines, args, V(self.name(), oshape, odt)
 
-    def op_checkpoint(self, pool, depth):
+    def _wrapped_call(self, pool, depth, wrapper):
+        """``out = <wrapper(fname)>(args)`` for a new sub-function; `wrapper` may draw."""
         fname, lines, args, out = self._call_like(pool, depth)
-        pol = self.draw(st.sampled_from(CKPT_POLICIES))
+        w = wrapper(fname)
         a = ", ".join(x.name for x in args)
-        return lines + [f"{out.name} = jax.checkpoint({fname}, policy={pol})({a})"], [out]
+        return lines + [f"{out.name} = {w}({a})"], [out]
+
+    def op_checkpoint(self, pool, depth):
+        return self._wrapped_call(pool, depth, lambda f: (
+            f"jax.checkpoint({f}, policy={self.draw(st.sampled_from(CKPT_POLICIES))})"))
 
     def op_jit(self, pool, depth):
-        fname, lines, args, out = self._call_like(pool, depth)
-        a = ", ".join(x.name for x in args)
-        return lines + [f"{out.name} = jax.jit({fname})({a})"], [out]
+        return self._wrapped_call(pool, depth, lambda f: f"jax.jit({f})")
 
     def op_hg_checkpoint(self, pool, depth):
-        fname, lines, args, out = self._call_like(pool, depth)
-        codec = self.draw(st.sampled_from(CODECS))
-        a = ", ".join(x.name for x in args)
-        return lines + [f"{out.name} = hg.checkpoint({fname}, codec={codec!r})({a})"], [out]
+        return self._wrapped_call(pool, depth, lambda f: (
+            f"hg.checkpoint({f}, codec={self.draw(st.sampled_from(CODECS))!r})"))
 
     def op_hg_precise(self, pool, depth):
-        fname, lines, args, out = self._call_like(pool, depth)
-        a = ", ".join(x.name for x in args)
-        return lines + [f"{out.name} = hg.precise_backward({fname})({a})"], [out]
+        return self._wrapped_call(pool, depth, lambda f: f"hg.precise_backward({f})")
 
     def op_vmap(self, pool, depth):
         v = self.pick(pool, lambda v: v.ndim >= 1)
