@@ -241,3 +241,18 @@ def test_delayed_scaling_needs_its_state_and_save_inputs():
         hg.scan(body, x, ws, codec="fp8_e4m3", codec_state=delayed.init_state())
     with pytest.raises(ValueError, match="save='inputs'"):
         hg.scan(body, x, ws, codec=delayed, codec_state=delayed.init_state(), save="residuals")
+
+
+def test_residuals_forward_keeps_effects(capfd):
+    """The forward of save="residuals" is evaluated from its traced program: an effect in the
+    function (a debug print) runs once per forward, as with `jax.checkpoint`, not again when the
+    backward recomputes parameter-only residuals."""
+    def f(x, w):
+        jax.debug.print("forward sees {s}", s=jnp.sum(x))
+        return jnp.tanh(x @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+
+    ws, x = _setup()
+    g = hg.checkpoint(f, codec="int8", save="residuals")
+    jax.block_until_ready(jax.grad(lambda w: jnp.sum(g(x.astype(jnp.bfloat16), w)))(ws[0]))
+    out = capfd.readouterr().out
+    assert out.count("forward sees") == 1, out

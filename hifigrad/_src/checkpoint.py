@@ -183,12 +183,14 @@ def _depends(jaxpr, in_flags: Sequence[bool]) -> list[bool]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_outputs(jaxpr, consts, args, want: Sequence[bool]) -> list:
-    """The outputs of `jaxpr` marked in `want`, evaluating only the equations they need."""
+def _eval_outputs(jaxpr, consts, args, want: Sequence[bool], effects: bool = False) -> list:
+    """The outputs of `jaxpr` marked in `want`, evaluating only the equations they need (and,
+    with `effects`, every equation that has an effect, such as a `jax.debug.print`)."""
     needed = {v for v, w in zip(jaxpr.outvars, want) if w and not compat.is_literal(v)}
     live = []
     for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars if not compat.is_dropvar(v)):
+        if (effects and eqn.effects) or any(
+                v in needed for v in eqn.outvars if not compat.is_dropvar(v)):
             live.append(eqn)
             needed.update(v for v in eqn.invars if not compat.is_literal(v))
     env = dict(zip(jaxpr.constvars, consts))
@@ -227,7 +229,7 @@ def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
     everything = (*args, *consts)
     jaxpr, jconsts, _ = compat.make_jaxpr_closed(outs_and_residuals, *everything)
     vjp_tree, n_out = box[-1]
-    vals = _eval_outputs(jaxpr, jconsts, everything, [True] * len(jaxpr.outvars))
+    vals = _eval_outputs(jaxpr, jconsts, everything, [True] * len(jaxpr.outvars), effects=True)
     out, leaves = vals[:n_out], vals[n_out:]
 
     encoded_in = tuple(encode) + (False,) * len(consts)
