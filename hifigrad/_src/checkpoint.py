@@ -90,8 +90,16 @@ def _ckpt_fwd(fun_flat, codec, policy, encode, args, consts, state):
     out = fun_flat(*args, *consts)
     kw = {"state": state} if state else {}  # a delayed-scaling codec's state
     saved = tuple(codec.encode(x, **kw) if e else x for x, e in zip(args, encode))
-    dtypes = tuple(jnp.result_type(x) for x in args)
+    dtypes = tuple(jnp.result_type(x) for x in (*args, *consts))
     return out, (saved, consts, _Dtypes(dtypes), state)
+
+
+def _input_cotangents(cts_in, dtypes, n_args: int) -> tuple[tuple, tuple]:
+    """(args', consts') cotangents, each float one cast to its input's dtype, as JAX requires
+    at a custom_vjp's boundary (under `hg.grad` these casts are promoted away)."""
+    cast = [lax.convert_element_type(c, dt) if jnp.issubdtype(dt, jnp.floating) else c
+            for c, dt in zip(cts_in, dtypes)]
+    return tuple(cast[:n_args]), tuple(cast[n_args:])
 
 
 class _Dtypes:
@@ -113,11 +121,9 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, res, cts):
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
     _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
-    cts_in = vjp_fn(cts)
-    cast = [lax.convert_element_type(c, jnp.result_type(x)) if _is_float(x) else c
-            for c, x in zip(cts_in, (*args, *consts))]
+    args_ct, consts_ct = _input_cotangents(vjp_fn(cts), dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state).
-    return tuple(cast[:n]), tuple(cast[n:]), jax.tree_util.tree_map(jnp.zeros_like, state)
+    return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
 
 
 _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
@@ -279,11 +285,7 @@ def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
         else:
             leaves.append(next(saved_it))
     vjp_fn = tree_unflatten(plan.vjp_tree, leaves)
-    cts_in = vjp_fn(list(cts))
-    cast = [lax.convert_element_type(c, dt) if jnp.issubdtype(dt, jnp.floating) else c
-            for c, dt in zip(cts_in, dtypes.dtypes)]
-    n = len(encode)
-    return tuple(cast[:n]), tuple(cast[n:])
+    return _input_cotangents(vjp_fn(list(cts)), dtypes.dtypes, len(encode))
 
 
 _ckpt_res.defvjp(_ckpt_res_fwd, _ckpt_res_bwd)
