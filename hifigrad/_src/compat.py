@@ -300,3 +300,43 @@ def dtype_is_float0(dtype) -> bool:
 
 CustomVJPException = _ad.CustomVJPException
 custom_derivatives = _custom_derivatives
+
+
+# ---- primitive registries (census)
+# Used by tests/test_census.py to enumerate the primitives the installed JAX can differentiate.
+# JAX keeps its differentiation rules in module-level dicts keyed by primitive: `primitive_jvps`,
+# `primitive_transposes`, `primitive_linearizations`, `fancy_transposes` and (some versions)
+# `reducing_transposes`, all in `jax._src.interpreters.ad` on 0.10.2 and 0.12.x. Libraries
+# (equinox, hifigrad itself) register their own primitives into the same dicts; a rule's defining
+# module tells them apart.
+
+_AD_RULE_REGISTRIES = ("primitive_jvps", "primitive_transposes", "primitive_linearizations",
+                       "fancy_transposes", "reducing_transposes")
+
+
+def _rule_module(rule) -> str:
+    while isinstance(rule, functools.partial):
+        rule = rule.func
+    return getattr(rule, "__module__", None) or type(rule).__module__ or ""
+
+
+def ad_rule_registries() -> dict[str, dict]:
+    """The differentiation-rule registries this JAX version has, by name."""
+    return {n: getattr(_ad, n) for n in _AD_RULE_REGISTRIES if hasattr(_ad, n)}
+
+
+def differentiable_primitives(defined_in: str | None = "jax") -> dict[str, Primitive]:
+    """Every primitive registered with a JVP, linearization or transpose rule, by name.
+
+    With ``defined_in`` (a top-level package name, default ``"jax"``), only primitives with a
+    rule defined in that package's modules; ``None`` keeps every registered primitive (those of
+    libraries such as equinox, and hifigrad's own, included). Only modules imported so far have
+    registered their primitives: import the namespaces to survey first.
+    """
+    out: dict[str, Primitive] = {}
+    for reg in ad_rule_registries().values():
+        for prim, rule in list(reg.items()):
+            mod = _rule_module(rule)
+            if defined_in is None or mod == defined_in or mod.startswith(defined_in + "."):
+                out.setdefault(prim.name, prim)
+    return out
