@@ -23,11 +23,12 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
 
 
 def __getattr__(name):
-    # `hifigrad.flax` needs Flax, an optional dependency: imported on first use.
-    if name == "flax":
+    # `hifigrad.flax` and `hifigrad.equinox` need Flax / Equinox, optional dependencies:
+    # imported on first use.
+    if name in ("flax", "equinox"):
         import importlib
 
-        return importlib.import_module(".flax", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'hifigrad' has no attribute {name!r}")
 
 
