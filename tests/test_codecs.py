@@ -574,3 +574,50 @@ def test_encoded_is_a_pytree():
     assert len(leaves) == 2  # data and scale; amax is None
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert rebuilt.data is enc.data and rebuilt.shape == enc.shape and rebuilt.layout == enc.layout
+
+
+# ----------------------------------------------------------------------------------------------
+# Float codecs store bit patterns (issue 12)
+
+FLOAT_CODECS = [BF16Codec(), FP8Codec("e4m3"), FP8Codec("e5m2"), FP8Codec("e4m3", scaling="row"),
+                DelayedFP8Codec("e5m2")]
+
+
+def _float_storage_reference(codec, x):
+    """What the codec stored before issue 12, computed independently: the float values."""
+    x32 = np.asarray(x, np.float32)
+    if isinstance(codec, BF16Codec):
+        return jnp.asarray(x32).astype(jnp.bfloat16)
+    fdt = _fp8_dtype(codec)
+    fmax = np.float32(jnp.finfo(fdt).max)
+    if isinstance(codec, FP8Codec) and codec.scaling == "row":
+        amax = np.max(np.abs(x32), axis=-1, keepdims=True)
+    else:
+        amax = np.max(np.abs(x32))
+    # the delayed codec's state was updated with this amax (see `_encode`): same scale
+    scale = np.maximum(amax * (np.float32(1) / fmax), np.float32(TINY))
+    return jnp.asarray(np.clip(x32 / scale, -fmax, fmax)).astype(fdt)
+
+
+@pytest.mark.parametrize("codec", FLOAT_CODECS, ids=_id)
+def test_float_codecs_store_bit_patterns(codec, maybe_jit):
+    """bf16 / fp8 data is the uint16 / uint8 bit pattern of exactly the float values the codec
+    stored before (an independent NumPy computation of them), and decodes to them."""
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 48)) * 3, jnp.float32)
+    enc, dec = _roundtrip(codec, x, maybe_jit)
+    want = _float_storage_reference(codec, x)
+    assert enc.data.dtype == (jnp.uint16 if isinstance(codec, BF16Codec) else jnp.uint8)
+    np.testing.assert_array_equal(jax.lax.bitcast_convert_type(enc.data, want.dtype), want)
+    scale = 1.0 if enc.scale is None else _per_element_scale(codec, enc, x)
+    # The decode is exact given the stored values: fp8 * f32 scale rounds once in float32.
+    np.testing.assert_allclose(dec, np.asarray(want, np.float64) * scale, rtol=2.0**-23, atol=0)
+
+
+@pytest.mark.parametrize("codec", FLOAT_CODECS, ids=_id)
+def test_float_codec_rejects_float_data(codec):
+    """An encoding whose data is not the expected bit-pattern dtype is a clear error."""
+    x = jnp.ones((4, 8), jnp.float32)
+    enc = _encode(codec, x)
+    bad = dataclasses.replace(enc, data=enc.data.astype(jnp.float32))
+    with pytest.raises(ValueError, match="bit patterns"):
+        codec.decode(bad, jnp.float32)

@@ -19,14 +19,16 @@ Formats
 ``none``
     Identity: stores ``x``.
 ``bf16``
-    A cast to bfloat16 (8 significant bits, float32's exponent range: nothing overflows).
+    A cast to bfloat16 (8 significant bits, float32's exponent range: nothing overflows),
+    stored as its bit pattern (``uint16``).
 ``fp8_e4m3`` / ``fp8_e5m2`` (`FP8Codec`)
     Current scaling: ``scale = amax(|x|) / fp8_max`` (448 for e4m3, 57344 for e5m2), computed
     per tensor or per row (rows of ``x`` flattened to ``[prod(shape[:-1]), shape[-1]]``), and
     ``x / scale`` clipped to ``[-fp8_max, fp8_max]`` (so rounding past the top saturates
     instead of becoming NaN or inf) and cast to ``float8_e4m3fn`` / ``float8_e5m2``. Round to
     nearest even: the relative error is at most ``2**-4`` (e4m3, 3 mantissa bits) or
-    ``2**-3`` (e5m2, 2 mantissa bits) for scaled values in the normal range.
+    ``2**-3`` (e5m2, 2 mantissa bits) for scaled values in the normal range. The fp8 values
+    are stored as their bit patterns (``uint8``).
 `DelayedFP8Codec`
     Delayed scaling as in Flax's ``nn.fp8_ops``: the scale comes from a history of past amaxes
     held in a small state that the caller threads through training steps; values beyond the
@@ -69,7 +71,10 @@ Implementation notes: the fp8 and int kernels each run as one nested `jax.jit` k
 operation. Divisions by constants are written as multiplications by the reciprocal (XLA
 rewrites them so under jit anyway), which makes results bit-identical eagerly, under jit and
 under vmap. Scales are floored at the smallest normal float32, because XLA on CPU flushes
-subnormals to zero and ``x / 0`` would be inf.
+subnormals to zero and ``x / 0`` would be inf. Every stored array has an integer dtype
+(or is the ``none`` codec's input): storage is ours to choose, and a backend without native
+narrow-float slicing (XLA:CPU) would otherwise convert a whole stacked bf16 / fp8 residual to a
+wider float outside a scan's backward loop, so that peak memory would not follow the saved bytes.
 """
 
 from __future__ import annotations
@@ -116,8 +121,8 @@ class Encoded:
     """A compressed activation: a pytree whose leaves are the stored arrays.
 
     Attributes:
-      data: the compressed values (the original array, a cast, fp8 values, int8 codes, or
-        packed uint8 codes).
+      data: the compressed values: the original array (``none``), the bit patterns of bfloat16
+        (``uint16``) or fp8 (``uint8``) values, int8 codes, or packed uint8 codes.
       scale: float32 or bfloat16 scales, or None.
       amax: the float32 ``amax(|x|)`` recorded by `DelayedFP8Codec`, or None.
       shape: static: the shape of the encoded array (without any leading axes added by
@@ -262,12 +267,38 @@ def _saturate(x: Array, dtype: DTypeLike, keep_inf: bool = False) -> Array:
     return jnp.where(overflow, jnp.where(x > 0, big, -big), y)
 
 
-def _fp8_decode(enc: Encoded, dtype: DTypeLike, scale_trailing: tuple[int, ...]) -> Array:
+# Narrow floats are stored as their bit patterns (unsigned integers of the same width) and
+# reinterpreted only when decoded. Integer storage keeps every backend's handling of the stored
+# stack the same as for the integer codecs: XLA:CPU, which has no native bf16/fp8
+# dynamic-slice, otherwise converts a whole stacked bf16 (fp8) residual to f32 (f16) outside a
+# scan's backward loop, a copy 2x (4x) the size of what is saved. The bits are the float's, so
+# values, SQNR and gradients are bitwise those of storing the float itself.
+_BITS_DTYPE = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _to_bits(x: Array) -> Array:
+    """The bit pattern of a 1- or 2-byte float array, as uint8 / uint16 of the same shape."""
+    return lax.bitcast_convert_type(x, _BITS_DTYPE[jnp.dtype(x.dtype).itemsize])
+
+
+def _from_bits(bits: Array, dtype: Any) -> Array:
+    """Inverse of `_to_bits`: reinterprets uint8 / uint16 ``bits`` as ``dtype``."""
+    want = _BITS_DTYPE[jnp.dtype(dtype).itemsize]
+    if bits.dtype != want:
+        raise ValueError(
+            f"Encoded data has dtype {bits.dtype}; this codec stores {jnp.dtype(dtype).name} "
+            f"values as their {jnp.dtype(want).name} bit patterns. Decode with the codec that "
+            "encoded it.")
+    return lax.bitcast_convert_type(bits, dtype)
+
+
+def _fp8_decode(enc: Encoded, dtype: DTypeLike, scale_trailing: tuple[int, ...],
+                fp8_dtype: Any) -> Array:
     """``data * scale`` in ``dtype``; the scale broadcasts over the trailing axes it lacks."""
     shape = tuple(enc.shape)
     scale = enc.scale.astype(jnp.float32)
     scale = scale.reshape(scale.shape + (1,) * (len(shape) - len(scale_trailing)))
-    return _saturate(enc.data.astype(jnp.float32) * scale, dtype)
+    return _saturate(_from_bits(enc.data, fp8_dtype).astype(jnp.float32) * scale, dtype)
 
 
 def _bf16_scale(absmax: Array, qmax: int) -> Array:
@@ -412,15 +443,15 @@ class BF16Codec:
         """Stores ``x.astype(bfloat16)`` (``key`` is ignored)."""
         del key
         x = _as_float_array(x, type(self).__name__)
-        return Encoded(data=_saturate(x, jnp.bfloat16, keep_inf=True), shape=tuple(x.shape),
-                       layout="bf16")
+        data = _to_bits(_saturate(x, jnp.bfloat16, keep_inf=True))
+        return Encoded(data=data, shape=tuple(x.shape), layout="bf16")
 
     def decode(self, enc: Encoded, dtype: DTypeLike) -> Array:
         """Casts the stored bfloat16 values to ``dtype``."""
         dtype = _check_float_dtype(dtype, f"{type(self).__name__}.decode")
         enc = _check_encoded(enc, "bf16", type(self).__name__)
         _batch_shape(enc.data, tuple(enc.shape), "data")
-        return _saturate(enc.data, dtype, keep_inf=True)
+        return _saturate(_from_bits(enc.data, jnp.bfloat16), dtype, keep_inf=True)
 
     def nbytes(self, shape: Sequence[int], dtype: DTypeLike) -> int:
         """``2 * prod(shape)``."""
@@ -491,7 +522,7 @@ class FP8Codec:
             amax = jnp.max(abs_x, initial=np.float32(0))
             scale = _current_scale(amax, _fp8_max(dtype))
             data = _fp8_quantize(x32, scale, dtype)
-        return Encoded(data=data, scale=scale, shape=tuple(x.shape), layout=self._layout)
+        return Encoded(data=_to_bits(data), scale=scale, shape=tuple(x.shape), layout=self._layout)
 
     def decode(self, enc: Encoded, dtype: DTypeLike) -> Array:
         """Returns ``data * scale`` in ``dtype``."""
@@ -503,7 +534,8 @@ class FP8Codec:
         return _decode_kernel(self, enc, dtype)
 
     def _decode(self, enc: Encoded, dtype: np.dtype) -> Array:
-        return _fp8_decode(enc, dtype, self._scale_shape(tuple(enc.shape)))
+        return _fp8_decode(enc, dtype, self._scale_shape(tuple(enc.shape)),
+                           _FP8_DTYPES[self.fmt])
 
     def nbytes(self, shape: Sequence[int], dtype: DTypeLike) -> int:
         """``prod(shape)`` fp8 bytes plus 4 bytes per scale."""
@@ -624,7 +656,7 @@ class DelayedFP8Codec:
         x32 = x.astype(jnp.float32)
         amax = jnp.max(jnp.abs(x32), initial=np.float32(0))
         scale = jnp.where(jnp.isfinite(amax), self._state_scale(state), _NAN)
-        data = _fp8_quantize(x32, scale, _FP8_DTYPES[self.fmt])
+        data = _to_bits(_fp8_quantize(x32, scale, _FP8_DTYPES[self.fmt]))
         return Encoded(data=data, scale=scale, amax=amax, shape=tuple(x.shape), layout=self._layout)
 
     def decode(self, enc: Encoded, dtype: DTypeLike) -> Array:
@@ -636,7 +668,7 @@ class DelayedFP8Codec:
         return _decode_kernel(self, enc, dtype)
 
     def _decode(self, enc: Encoded, dtype: np.dtype) -> Array:
-        return _fp8_decode(enc, dtype, ())
+        return _fp8_decode(enc, dtype, (), _FP8_DTYPES[self.fmt])
 
     def update_state(self, state: Mapping[str, Array], amaxes: Array) -> dict[str, Array]:
         """Records new amaxes and computes the next scale.
