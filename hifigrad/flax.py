@@ -27,7 +27,7 @@ NNX's own split/merge machinery: only the differentiation itself is hifigrad's.
 
     >>> model = nnx.Linear(8, 8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     >>> g = hg.flax.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, jnp.ones((2, 8)))
-    >>> g["kernel"].value.dtype
+    >>> g["kernel"][...].dtype
     dtype('float32')
 
 Linen needs nothing new: ``hg.grad(lambda p, x: loss(model.apply(p, x)))(params, x)``.
