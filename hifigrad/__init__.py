@@ -10,6 +10,7 @@ from ._src.api import vjp as vjp
 from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
 from ._src.codecs import get_codec as get_codec
+from ._src.interpreter import PrecisionFallbackWarning as PrecisionFallbackWarning
 from ._src.interpreter import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._src.policy import Policy as Policy
 from ._src.rules import promote_rule as promote_rule
@@ -34,6 +35,7 @@ def __getattr__(name):
 
 __all__ = [
     "Policy",
+    "PrecisionFallbackWarning",
     "checkpoint",
     "codecs",
     "get_codec",

@@ -472,10 +472,13 @@ def test_callbacks_in_a_backward_run_at_their_declared_dtypes():
 # ------------------------------------------------------------------------- unsupported primitive
 
 def _make_opaque():
+    """A primitive no rule names whose output dtype is pinned to bf16 whatever its input: its
+    abstract evaluation at f32 shows it cannot run promoted."""
     from hifigrad._src import compat
 
     p = compat.new_primitive("bad_inputs_opaque_triple")
-    compat.register_impl_and_lowering(p, lambda x: x * 3, lambda x: x)
+    compat.register_impl_and_lowering(p, lambda x: (x * 3).astype(BF16),
+                                      lambda x: x.update(dtype=jnp.dtype(BF16), weak_type=False))
     compat.register_jvp(p, lambda primals, tangents: (p.bind(primals[0]), p.bind(tangents[0])))
     compat.register_transpose(p, lambda ct, x: [p.bind(ct)])
     return p
@@ -494,7 +497,7 @@ def _opaque_model(w, xs):
 def test_unsupported_primitive_names_it_and_the_fallback_switch(maybe_jit):
     w, xs = jnp.full(3, 0.5, BF16), jnp.ones((4, 3), BF16)
     with pytest.raises(hg.UnsupportedPrimitiveError) as e:
-        maybe_jit(hg.grad(_opaque_model))(w, xs)
+        maybe_jit(hg.grad(_opaque_model, policy=hg.Policy(unsupported="error")))(w, xs)
     msg = str(e.value)
     assert "'bad_inputs_opaque_triple'" in msg
     assert "Policy(unsupported='fallback')" in msg and "register_rule" in msg
@@ -507,8 +510,8 @@ def test_unsupported_primitive_fallback():
 
     w, xs = jnp.full(3, 0.5, BF16), jnp.ones((4, 3), BF16)
     interpreter._warned.discard("bad_inputs_opaque_triple")
-    with pytest.warns(UserWarning, match="bad_inputs_opaque_triple"):
-        g = hg.grad(_opaque_model, policy=hg.Policy(unsupported="fallback"))(w, xs)
+    with pytest.warns(hg.PrecisionFallbackWarning, match="bad_inputs_opaque_triple"):
+        g = hg.grad(_opaque_model)(w, xs)
     assert g.dtype == F32
     np.testing.assert_allclose(g, jax.grad(_opaque_model)(w, xs).astype(F32), rtol=3e-2)
 

@@ -9,7 +9,7 @@ from hifigrad._src.policy import resolve_policy
 def test_defaults_and_frozen():
     p = hg.Policy()
     assert p.tangent_dtype == np.dtype(jnp.float32) and p.matmul == "exact"
-    assert p.unsupported == "error" and p.coefficients == "forward"
+    assert p.unsupported == "fallback" and p.coefficients == "forward"
     with pytest.raises(AttributeError):
         p.matmul = "fast"  # type: ignore[misc]
 

@@ -7,10 +7,13 @@ gradient to within the forward's bf16 rounding (cosine similarity >= 0.99: each 
 to 2^-9 relative, and these programs have at most a few dozen ops on any path).
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from programs import ALL, PROGRAMS
 
 import hifigrad as hg
@@ -88,11 +91,18 @@ def test_low_precision_runs_every_rule(name, dtype, maybe_jit):
 # --------------------------------------------------------------------------- unsupported
 
 
-def _opaque_p():
+def _opaque_p(name, pinned_dtype=None):
+    """A primitive no rule names: dtype-polymorphic (its abstract evaluation follows its
+    input), or, with `pinned_dtype`, one whose output dtype is fixed whatever its input."""
     from hifigrad._src import compat
 
-    p = compat.new_primitive("test_opaque_double")
-    compat.register_impl_and_lowering(p, lambda x: x * 2, lambda x: x)
+    p = compat.new_primitive(name)
+    if pinned_dtype is None:
+        compat.register_impl_and_lowering(p, lambda x: x * 2, lambda x: x)
+    else:
+        compat.register_impl_and_lowering(
+            p, lambda x: (x * 2).astype(pinned_dtype),
+            lambda x: x.update(dtype=jnp.dtype(pinned_dtype), weak_type=False))
     compat.register_jvp(p, lambda primals, tangents: (p.bind(primals[0]), p.bind(tangents[0])))
 
     def transpose(ct, x):
@@ -101,30 +111,48 @@ def _opaque_p():
     return p
 
 
-_OPAQUE = _opaque_p()
+_OPAQUE = _opaque_p("test_opaque_double")
+_PINNED = _opaque_p("test_pinned_double", jnp.bfloat16)
 
 
 def _opaque_fun(x):
     return jnp.sum(_OPAQUE.bind(jnp.sin(x)).astype(jnp.float32))
 
 
-def test_unsupported_primitive_error_names_it_and_the_switch():
+def _pinned_fun(x):
+    return jnp.sum(_PINNED.bind(jnp.sin(x)).astype(jnp.float32))
+
+
+def test_unnamed_dtype_polymorphic_primitive_runs_promoted(maybe_jit):
+    """No rule names it, and its abstract evaluation at f32 gives f32: it is re-bound at f32,
+    with no warning, and its gradient is exact in f32 over the bf16 forward."""
+    x = jnp.linspace(0, 1, 3).astype(jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = maybe_jit(hg.grad(_opaque_fun))(x)
+    assert g.dtype == jnp.float32
+    # d/dx 2 sin(x) = 2 cos(x), with cos(x) the forward's bf16 coefficient: bf16 rounding.
+    np.testing.assert_allclose(g, 2 * np.cos(np.asarray(x, np.float64)), rtol=2 ** -8)
+
+
+def test_unpromotable_primitive_error_names_it_and_the_switch():
     x = jnp.ones(3, jnp.bfloat16)
     with pytest.raises(hg.UnsupportedPrimitiveError) as e:
-        hg.grad(_opaque_fun)(x)
+        hg.grad(_pinned_fun, policy=hg.Policy(unsupported="error"))(x)
     msg = str(e.value)
-    assert "test_opaque_double" in msg and "unsupported='fallback'" in msg
+    assert "test_pinned_double" in msg and "register_rule" in msg
+    assert "returns bfloat16[3] where float32[3] is needed" in msg
 
 
-def test_unsupported_primitive_fallback_warns_once_and_is_correct(maybe_jit):
+def test_unpromotable_primitive_fallback_warns_once_and_is_correct(maybe_jit):
     x = jnp.linspace(0, 1, 3).astype(jnp.bfloat16)
-    pol = hg.Policy(unsupported="fallback")
     from hifigrad._src import interpreter
 
-    interpreter._warned.discard("test_opaque_double")
-    with pytest.warns(UserWarning, match="test_opaque_double"):
-        g = maybe_jit(hg.grad(_opaque_fun, policy=pol))(x)
+    interpreter._warned.discard("test_pinned_double")
+    with pytest.warns(hg.PrecisionFallbackWarning, match="test_pinned_double"):
+        g = maybe_jit(hg.grad(_pinned_fun))(x)
     assert g.dtype == jnp.float32
+    # The cotangent is rounded to bf16 through the primitive: bf16 relative error.
     np.testing.assert_allclose(g, 2 * np.cos(np.asarray(x, np.float64)), rtol=2 ** -7)
 
 
@@ -134,3 +162,131 @@ def test_register_rule_into_a_copy_of_the_table():
 
     table.register(_OPAQUE, promote_rule)
     assert _OPAQUE in table.rules and _OPAQUE not in PROMOTE.rules
+
+
+# ------------------------------------------------------------------ issue 9 regressions
+# Each was an UnsupportedPrimitiveError, a crash or a silently low-precision gradient.
+
+_BF = jnp.bfloat16
+
+
+def _bf16_ref(fn, x):
+    """jax.grad at f32 of the same program with its forward in bf16: the f32 backward over
+    the bf16 forward, computed by JAX itself (the inputs are exact in both)."""
+    return jax.grad(lambda a: fn(a.astype(_BF)))(np.asarray(x, np.float32))
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("stack", lambda x: jnp.stack([x, 2 * x]).astype(jnp.float32).sum()),
+    ("tile", lambda x: (jnp.tile(x, 2) * jnp.tile(x, 2)).astype(jnp.float32).sum()),
+    ("unstack", lambda x: (lambda a, b: (a * b).astype(jnp.float32).sum())(*x.reshape(2, 3))),
+    ("polyval", lambda x: jnp.polyval(x, jnp.asarray(0.5, _BF)).astype(jnp.float32)),
+    ("ldexp", lambda x: (jnp.ldexp(x, jnp.int32(2)) ** 2).astype(jnp.float32).sum()),
+    ("frexp", lambda x: (jnp.frexp(x)[0] * x).astype(jnp.float32).sum()),
+])
+def test_primitives_no_list_named(maybe_jit, name, fn):
+    """Primitives that JAX releases added (or that were never listed) run promoted with no
+    warning and give JAX's own f32 backward over the bf16 forward."""
+    x = jnp.linspace(0.1, 1.2, 6).astype(_BF)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = maybe_jit(hg.grad(fn))(x)
+    assert g.dtype == jnp.float32
+    # Both backwards are f32 over the same bf16 forward values: f32 rounding only.
+    np.testing.assert_allclose(g, _bf16_ref(fn, x), rtol=1e-6, atol=1e-7)
+
+
+def test_custom_root_backward_runs_in_f32():
+    """`lax.custom_root`'s tangent solve is an `eval_jaxpr` equation on jax 0.12: it is inlined
+    and promoted, never re-bound at bf16 (which silently gave bf16 gradients)."""
+    def f(x):
+        root = lax.custom_root(lambda y: y * y - x, jnp.ones_like(x),
+                               lambda _, y0: jnp.sqrt(x),
+                               lambda g, y: y / (2 * jnp.sqrt(x)))
+        return root.astype(jnp.float32).sum()
+
+    x = jnp.linspace(0.5, 2, 4).astype(_BF)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = hg.grad(f)(x)
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, _bf16_ref(f, x), rtol=1e-6)
+    jaxpr = jax.make_jaxpr(hg.grad(f))(x)
+    # The forward holds bf16 ops; the backward's division must not be one of them.
+    divs = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "div"]
+    assert divs and any(e.outvars[0].aval.dtype == jnp.float32 for e in divs)
+    assert not any(e.outvars[0].aval.dtype == _BF and
+                   any(v.aval.dtype == jnp.float32 for v in e.invars) for e in divs)
+
+
+def _all_eqns(jaxpr):
+    from hifigrad._src import compat
+
+    for e in jaxpr.eqns:
+        yield e
+        for j in compat.jaxprs_in_params(e.params):
+            yield from _all_eqns(compat.jaxpr_and_consts(j)[0])
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_static_custom_vjp_residuals_reach_bwd_concrete(maybe_jit, flag):
+    """A Python bool residual reaches the user's bwd as a Python value, as under jax.grad, so
+    a bwd may branch on it (equinox's filter_custom_vjp does)."""
+    seen = []
+
+    @jax.custom_vjp
+    def f(x):
+        return 2 * x
+
+    def bwd(res, g):
+        b, n, none = res
+        seen.append((type(b).__name__, none))
+        return ((3.0 * g if b else 0 * g) * n,)
+
+    f.defvjp(lambda x: (f(x), (flag, 2, None)), bwd)
+    x = jnp.linspace(0, 1, 3).astype(_BF)
+    fn = lambda x: f(x).astype(jnp.float32).sum()
+    g = maybe_jit(hg.grad(fn))(x)
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(g, np.full(3, 6.0 if flag else 0.0, np.float32))
+    np.testing.assert_array_equal(g, jax.grad(fn)(x).astype(jnp.float32))
+    assert seen and all(not t.endswith("Tracer") and none is None for t, none in seen)
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="jax.new_ref is not in this JAX")
+def test_mutable_refs_are_discharged(maybe_jit):
+    def fn(x):
+        r = jax.new_ref(jnp.zeros_like(x))
+        r[...] = x * x
+        r[...] = r[...] + jnp.sin(x)
+        r[2:4] = r[2:4] * x[:2]
+        return r[...].astype(jnp.float32).sum()
+
+    x = jnp.linspace(0.1, 1, 6).astype(_BF)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = maybe_jit(hg.grad(fn))(x)
+    assert g.dtype == jnp.float32
+    # Reference: the same program without refs, f32 backward over the bf16 forward.
+    def pure(x):
+        y = x * x + jnp.sin(x)
+        y = y.at[2:4].set(y[2:4] * x[:2])
+        return y.astype(jnp.float32).sum()
+    np.testing.assert_allclose(g, _bf16_ref(pure, x), rtol=1e-6, atol=1e-7)
+
+
+def test_log2_tangent_coefficient():
+    """jax 0.12 has a `log2` primitive; Policy(coefficients='tangent') computes its coefficient
+    1/(x ln 2) in f32 (on 0.10 log2 is log(x)/log(2), covered by log's coefficient)."""
+    x = jnp.linspace(0.3, 3, 64).astype(_BF)
+    fn = lambda x: jnp.sum(jnp.log2(x).astype(jnp.float32))
+    g = hg.grad(fn, policy=hg.Policy(coefficients="tangent"))(x)
+    exact = 1 / (np.asarray(x, np.float64) * np.log(2))
+    from hifigrad._src import compat
+
+    if compat.primitives_named(["log2"]):
+        # The whole coefficient in f32: f32 rounding (a few ulps).
+        np.testing.assert_allclose(g, exact, rtol=1e-6)
+    else:
+        # 1/x in f32, times the bf16-rounded constant 1/log(2): bf16 rounding, 2^-8.
+        np.testing.assert_allclose(g, exact, rtol=2 ** -8)

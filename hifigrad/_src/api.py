@@ -69,7 +69,9 @@ def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool
         return tree_unflatten(lin_tree, res)(*ts)
 
     tangent_avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in diff_vals]
-    lin_jaxpr, lin_consts, _ = compat.make_jaxpr_closed(lin_call, res, tangent_avals)
+    # Refs the program creates are discharged: `linear_transpose` cannot transpose them.
+    lin_jaxpr, lin_consts, _ = compat.make_jaxpr_closed(lin_call, res, tangent_avals,
+                                                        discharge_refs=True)
     static = _Static(lin_jaxpr=lin_jaxpr, n_res=len(res), n_consts=len(lin_consts),
                      tangent_avals=tangent_avals,
                      out_avals=[jax.ShapeDtypeStruct(np.shape(o), _dtype_of(o)) for o in outs],

@@ -31,6 +31,8 @@ _COEF = {
     "exp": lambda y: y,
     "expm1": lambda y: y + 1,
     "log": lambda x: 1 / x,
+    "log2": lambda x: 1 / (x * np.log(2)),  # a primitive of its own on jax >= 0.12
+    "exp2": lambda y: y * np.log(2),
     "log1p": lambda x: 1 / (1 + x),
     "sin": lambda x: lax.cos(x),
     "cos": lambda x: -lax.sin(x),
@@ -157,8 +159,9 @@ def _make_table() -> RuleTable:
 
     table = RuleTable()
     for name, save_out in (("tanh", True), ("logistic", True), ("exp", True), ("expm1", True),
-                           ("log", False), ("log1p", False), ("sin", False), ("cos", False),
-                           ("sqrt", True), ("rsqrt", False), ("erf", False)):
+                           ("exp2", True), ("log", False), ("log2", False), ("log1p", False),
+                           ("sin", False), ("cos", False), ("sqrt", True), ("rsqrt", False),
+                           ("erf", False)):
         for p in compat.primitives_named([name]):
             table.register(p, _unary_rule(name, save_out))
             table.always.add(p)

@@ -81,6 +81,20 @@ psum_p = _find("jax._src.lax.parallel", "psum_p")
 pvary_p = _find("jax._src.lax.parallel", "pvary_p") or _find("jax._src.core", "pvary_p")
 pcast_p = _find("jax._src.lax.parallel", "pcast_p")
 pbroadcast_p = _find("jax._src.lax.parallel", "pbroadcast_p")
+call_hi_primitive_p = _find("jax._src.hijax", "call_hi_primitive_p")  # jax >= 0.12
+_REF_PRIMITIVES = frozenset(p for p in (
+    _find("jax._src.core", "ref_p"), _find("jax._src.core", "empty_ref_p"),
+    _find("jax._src.state.primitives", "get_p"), _find("jax._src.state.primitives", "swap_p"),
+    _find("jax._src.state.primitives", "addupdate_p")) if p is not None)
+
+
+def _uses_refs(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _REF_PRIMITIVES:
+            return True
+        if any(_uses_refs(jaxpr_and_consts(j)[0]) for j in jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 from jax._src.shard_map import shard_map as _shard_map  # noqa: E402
@@ -138,7 +152,7 @@ def is_dropvar(v) -> bool:
 
 
 def aval_of(x):
-    return _core.get_aval(x)
+    return _core.typeof(x)
 
 
 @contextlib.contextmanager
@@ -151,6 +165,12 @@ def eqn_context(eqn):
         yield
 
 
+def eqn_ctx(eqn):
+    """The equation's context alone (compute type, mesh, ...), without its source info: what
+    casts staged beside an equation must run in."""
+    return eqn.ctx.manager
+
+
 def bind_eqn(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
     """Binds `eqn`'s primitive on `invals` (params overridable) as `core.eval_jaxpr` does."""
     params = eqn.params if params is None else params
@@ -158,6 +178,61 @@ def bind_eqn(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any
     with eqn_context(eqn):
         ans = eqn.primitive.bind(*invals, **bind_params)
     return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+_JAXPR_TYPES = tuple(t for t in (getattr(_core, "Jaxpr", None), getattr(_core, "ClosedJaxpr", None))
+                     if isinstance(t, type))
+
+
+def jaxprs_in_params(params: dict) -> list[Any]:
+    """Every jaxpr an equation's params hold, searched through tuples, lists and dicts."""
+    found: list = []
+
+    def visit(v):
+        if isinstance(v, _JAXPR_TYPES):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+
+    for v in params.values():
+        visit(v)
+    return found
+
+
+def abstract_eval(eqn, avals: Sequence[Any], params: dict) -> list[Any]:
+    """The output avals of binding `eqn`'s primitive on `avals` with `params`, as the tracing
+    machinery computes them (no equation is emitted). Raises what the primitive raises."""
+    out, _effects = eqn.primitive.abstract_eval(*avals, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def hi_primitive_at(eqn, aval_fn: Callable[[Any], Any]):
+    """A `call_hi_primitive` equation's primitive object (`_prim`, a `HiPrim`) rebuilt with every
+    aval in its params mapped by `aval_fn`, or None when it cannot be (its class does not take its
+    params as keyword arguments, as JAX's own hi-primitives do)."""
+    prim = eqn.params["_prim"]
+    params = {k: aval_fn(v) if isinstance(v, ShapedArray) else v
+              for k, v in getattr(prim, "params", {}).items()}
+    try:
+        return type(prim)(**params)
+    except Exception:  # noqa: BLE001 - no evidence that the class can be rebuilt
+        return None
+
+
+def hi_primitive_out_avals(prim) -> list[Any]:
+    return list(prim.out_avals_flat)
+
+
+def is_ref_or_extended(aval) -> bool:
+    """Mutable refs and extended dtypes (PRNG keys): values that a cast cannot promote."""
+    if type(aval).__name__ == "AbstractRef":
+        return True
+    dt = getattr(aval, "dtype", None)
+    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.extended)
 
 
 def scan_split(eqn) -> tuple[int, int]:
@@ -174,9 +249,18 @@ def scan_num_ys(eqn) -> int:
     return len(eqn.outvars) - num_carry
 
 
-def make_jaxpr_closed(fun: Callable, *avals_or_args) -> tuple[Any, list, Any]:
-    """Traces `fun` to (jaxpr, consts, out_tree) with explicit consts, on any JAX version."""
+def make_jaxpr_closed(fun: Callable, *avals_or_args,
+                      discharge_refs: bool = False) -> tuple[Any, list, Any]:
+    """Traces `fun` to (jaxpr, consts, out_tree) with explicit consts, on any JAX version.
+
+    With `discharge_refs`, mutable refs the program creates (`jax.new_ref`) are discharged
+    into pure values (JAX's own state discharge), so that the program can be transposed.
+    """
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals_or_args)
+    if discharge_refs and _uses_refs(jaxpr_and_consts(closed)[0]):
+        from jax._src.state import discharge as _discharge
+
+        closed = _discharge.discharge_state(closed)
     jaxpr, consts = jaxpr_and_consts(closed)
     return jaxpr, consts, jax.tree_util.tree_structure(out_shape)
 

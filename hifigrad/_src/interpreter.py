@@ -28,25 +28,34 @@ from .dtypes import promoted_dtype
 from .policy import Policy
 from .primitives import upcast
 
-__all__ = ["Interpreter", "RuleTable", "UnsupportedPrimitiveError"]
+__all__ = ["Interpreter", "PrecisionFallbackWarning", "RuleTable", "UnsupportedPrimitiveError"]
 
 Rule = Callable[["Interpreter", Any, list, list], tuple[list, list]]
 FlagRule = Callable[["Interpreter", Any, list], list]
 
 
 class UnsupportedPrimitiveError(NotImplementedError):
-    """A cotangent reaches a primitive that hifigrad has no rule for."""
+    """A cotangent reaches a primitive that cannot run promoted, under
+    ``Policy(unsupported='error')``."""
+
+
+class PrecisionFallbackWarning(UserWarning):
+    """A cotangent reaches a primitive that cannot run promoted: it runs at its own dtype, with
+    casts at its edges, so values through it are rounded to that dtype."""
 
 
 @dataclasses.dataclass
 class RuleTable:
     """Rules keyed by primitive. `flag_rules` say which outputs a rule promotes (default: all
     floating outputs when any input is promoted); `always` lists primitives whose rule runs even
-    when no input is promoted (control flow, for passes that must reach inside)."""
+    when no input is promoted (control flow, for passes that must reach inside); `default` is
+    the rule of every primitive the table does not name (None: such a primitive is bound
+    unchanged when no input is promoted, and is unsupported otherwise)."""
 
     rules: dict = dataclasses.field(default_factory=dict)
     flag_rules: dict = dataclasses.field(default_factory=dict)
     always: set = dataclasses.field(default_factory=set)
+    default: Rule | None = None
 
     def register(self, prims, rule: Rule, flag_rule: FlagRule | None = None) -> None:
         for p in prims if isinstance(prims, (list, tuple, set)) else [prims]:
@@ -57,7 +66,7 @@ class RuleTable:
                 self.flag_rules[p] = flag_rule
 
     def copy(self) -> RuleTable:
-        return RuleTable(dict(self.rules), dict(self.flag_rules), set(self.always))
+        return RuleTable(dict(self.rules), dict(self.flag_rules), set(self.always), self.default)
 
 
 _warned: set[str] = set()
@@ -150,18 +159,21 @@ class Interpreter:
             invals, inflags = list(invals), list(inflags)
             prim = eqn.primitive
             if any(inflags) or prim in table.always:
-                rule = table.rules.get(prim)
-                if rule is None:
+                rule = table.rules.get(prim, table.default)
+                if not eqn.outvars and any(inflags) and prim not in table.rules:
+                    # Effect-only (no outputs): no cotangent leaves it, so running it at its
+                    # declared dtypes changes no gradient.
+                    outs, oflags = self.fallback(eqn, invals, inflags)
+                elif rule is None:
                     if not any(inflags):
                         outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
-                    elif not eqn.outvars:
-                        # Effect-only (no outputs): no cotangent leaves it, so running it at
-                        # its declared dtypes changes no gradient.
-                        outs, oflags = self.fallback(eqn, invals, inflags)
                     else:
-                        outs, oflags = self.unsupported(eqn, invals, inflags)
+                        outs, oflags = self.unsupported(eqn, invals, inflags, "no rule names it")
                 else:
-                    outs, oflags = rule(self, eqn, invals, inflags)
+                    # Casts a rule stages run in the equation's context (its mesh, compute
+                    # type), like the equation itself.
+                    with compat.eqn_ctx(eqn):
+                        outs, oflags = rule(self, eqn, invals, inflags)
             else:
                 outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
             for v, o, f in zip(eqn.outvars, outs, oflags):
@@ -205,26 +217,30 @@ class Interpreter:
         return out
 
     # ---------------------------------------------------------------- unsupported primitives
-    def unsupported(self, eqn, invals, inflags):
+    def unsupported(self, eqn, invals, inflags, why: str):
+        """A cotangent reaches `eqn`, which cannot run promoted (`why` says why): raises under
+        ``Policy(unsupported='error')``, else runs it at its own dtype and warns once."""
         name = eqn.primitive.name
         if self.policy.unsupported == "error":
             raise UnsupportedPrimitiveError(
-                f"hifigrad has no rule for the primitive '{name}', and a cotangent flows through "
-                f"it here, so its backward cannot be run in {self.policy.tangent_dtype}. Pass "
-                f"policy=hifigrad.Policy(unsupported='fallback') to run '{name}' at its own dtype "
-                f"(with casts at its edges), or register a rule with "
-                f"hifigrad.register_rule.")
-        return self.fallback(eqn, invals, inflags, warn=True)
+                f"hifigrad cannot run the primitive '{name}' in {self.policy.tangent_dtype} "
+                f"({why}), and a cotangent flows through it here. With the default "
+                f"Policy(unsupported='fallback') it runs at its own dtype, with casts at its "
+                f"edges; to run it promoted, register a rule with hifigrad.register_rule.")
+        return self.fallback(eqn, invals, inflags, warn=why)
 
-    def fallback(self, eqn, invals, inflags, warn: bool = False):
-        """Runs `eqn` at its declared dtypes: promoted inputs are cast back, outputs cast up."""
+    def fallback(self, eqn, invals, inflags, warn: str | None = None):
+        """Runs `eqn` at its declared dtypes: promoted inputs are cast back, outputs cast up.
+        With `warn` (the reason), warns once per primitive."""
         name = eqn.primitive.name
         if warn and name not in _warned:
             _warned.add(name)
             warnings.warn(
-                f"hifigrad: no rule for primitive '{name}'; running it at its own dtype with "
-                f"casts at its edges (Policy(unsupported='fallback')). Values through it are "
-                f"rounded to that dtype.", stacklevel=2)
+                f"hifigrad: the primitive '{name}' cannot run in {self.policy.tangent_dtype} "
+                f"({warn}); it runs at its own dtype with casts at its edges, so values through "
+                f"it are rounded to that dtype. Register a rule with hifigrad.register_rule to "
+                f"run it promoted, or pass Policy(unsupported='error') to make this an error.",
+                PrecisionFallbackWarning, stacklevel=2)
         args = [self.cast_like(x, v.aval) if f else x
                 for x, v, f in zip(invals, eqn.invars, inflags)]
         outs = compat.bind_eqn(eqn, args)

@@ -11,7 +11,7 @@ import numpy as np
 __all__ = ["Policy", "resolve_policy"]
 
 _MATMUL = ("exact", "fast")
-_UNSUPPORTED = ("error", "fallback")
+_UNSUPPORTED = ("fallback", "error")
 _COEFFICIENTS = ("forward", "tangent")
 
 
@@ -26,9 +26,12 @@ class Policy:
         operands up-cast); ``'fast'`` keeps low-precision operands (the cotangent rounded to the
         residual's dtype) and accumulates in ``tangent_dtype`` via ``preferred_element_type``: the
         tensor-core path on GPUs.
-      unsupported: what to do with a cotangent-carrying primitive that has no rule: ``'error'``
-        raises naming the primitive; ``'fallback'`` runs it at its own dtype with casts at its
-        edges and warns once per primitive.
+      unsupported: what to do with a cotangent-carrying primitive that cannot run promoted (no
+        rule names it and the evidence that re-binding it at promoted dtypes is exact is
+        missing; see `hifigrad._src.rules`): ``'fallback'`` (default) runs it at its own dtype
+        with casts at its edges and warns once per primitive
+        (`hifigrad.PrecisionFallbackWarning`); ``'error'`` raises `UnsupportedPrimitiveError`
+        naming the primitive, for users who want every low-precision path to stop them.
       coefficients: ``'forward'`` uses derivative coefficients as JAX computes them in the forward
         (for example ``1 - tanh(x)**2`` saved in bf16); ``'tangent'`` recomputes the coefficients
         of elementwise transcendental ops in ``tangent_dtype`` in the backward, from the saved
@@ -37,7 +40,7 @@ class Policy:
 
     tangent_dtype: Any = jnp.float32
     matmul: Literal["exact", "fast"] = "exact"
-    unsupported: Literal["error", "fallback"] = "error"
+    unsupported: Literal["fallback", "error"] = "fallback"
     coefficients: Literal["forward", "tangent"] = "forward"
 
     def __post_init__(self):

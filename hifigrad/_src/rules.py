@@ -1,10 +1,32 @@
 """Promotion rules, keyed by primitive: the one registry of hifigrad's transform.
 
-`PROMOTE` is the table the backward transform uses. Families of dtype-polymorphic primitives share
-`promote_rule` (promoted inputs, residual operands up-cast, float dtype params such as
-`preferred_element_type` promoted too); control flow, custom rules and callbacks have rules of
-their own. A primitive absent from the table that a cotangent reaches raises
-`UnsupportedPrimitiveError` (or, with ``Policy(unsupported='fallback')``, runs at its own dtype).
+`PROMOTE` is the table the backward transform uses. What happens to a primitive that a cotangent
+reaches, in order:
+
+1. **A rule names it.** Only primitives that need special handling are named: control flow
+   (`scan`, `while`, `cond`, `remat`, `jit`, `shard_map`), custom rules (`custom_jvp_call`,
+   `custom_vjp_call`, a user's `custom_vjp` backward as `custom_lin`, `custom_linear_solve`),
+   `convert_element_type`, scatters (typed update jaxprs), `fft`, callbacks (run at their declared
+   dtypes) and JAX 0.12's hi-primitives (`call_hi_primitive`: `jnp.ldexp`, `jnp.frexp`).
+2. **Otherwise `default_rule` decides by evidence, not by name:**
+   - a call-like primitive (one sub-jaxpr whose inputs and outputs are the equation's, aval for
+     aval: `closed_call`, 0.12's `eval_jaxpr` from `lax.custom_root`, ...) is inlined;
+   - a primitive with any other typed sub-program in its params, or a PRNG-key operand, cannot
+     be re-bound blindly: it gets the fallback below;
+   - every other primitive is re-bound at promoted input dtypes (float dtype-valued params
+     promoted too) when its abstract evaluation at the promoted avals succeeds and gives each
+     float output the promoted dtype of the original output. That covers `lax`'s elementwise,
+     structural, reduction, linear-algebra and collective primitives, new ones a JAX release
+     adds (`stack`, `unstack`, `tile`, `polynomial`), sparse ones (`bcoo_dot_general`, ...)
+     and library-defined ones (equinox's `maybe_set`, ...);
+   - when that evidence is missing, the **fallback** runs the primitive at its own dtype with
+     casts at its edges and warns once (`PrecisionFallbackWarning`); with
+     ``Policy(unsupported='error')`` it raises `UnsupportedPrimitiveError` instead.
+   A primitive with no outputs (an effect) runs at its declared dtypes: no cotangent leaves it.
+
+Mutable refs a program creates (`jax.new_ref`) are discharged into pure values before the
+program reaches this table (`api.py`). Every rule runs in its equation's context (mesh, compute
+type), so the casts it stages run where the equation runs.
 """
 
 from __future__ import annotations
@@ -20,18 +42,21 @@ from .primitives import upcast_p
 
 __all__ = ["PROMOTE", "promote_rule", "register_rule"]
 
-_DTYPE_PARAMS = ("preferred_element_type", "out_dtype", "new_dtype", "dtype")
+def _float_dtype_param(v):
+    """`v` as a real float dtype when it is one (a dtype-valued param), else None."""
+    if isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic)):
+        dt = np.dtype(v)
+        return dt if is_real_float(dt) else None
+    return None
 
 
 def _promote_params(interp: Interpreter, params: dict) -> dict:
+    """`params` with every float dtype-valued param (``preferred_element_type``, ``out_dtype``,
+    ...) promoted."""
     new = None
-    for k in _DTYPE_PARAMS:
-        v = params.get(k)
-        if v is None:
-            continue
-        try:
-            dt = np.dtype(v)
-        except TypeError:
+    for k, v in params.items():
+        dt = _float_dtype_param(v)
+        if dt is None:
             continue
         up = interp.up(dt)
         if up != dt:
@@ -40,11 +65,12 @@ def _promote_params(interp: Interpreter, params: dict) -> dict:
     return params if new is None else new
 
 
-def promote_rule(interp: Interpreter, eqn, invals, inflags):
+def promote_rule(interp: Interpreter, eqn, invals, inflags, params: dict | None = None):
     """For dtype-polymorphic primitives: every float input (promoted or residual) is brought to
     its promoted dtype, float dtype params likewise, and the primitive is bound."""
     args = [interp.cast_up(x, f) if _floating(x) else x for x, f in zip(invals, inflags)]
-    outs = compat.bind_eqn(eqn, args, _promote_params(interp, eqn.params))
+    params = _promote_params(interp, eqn.params) if params is None else params
+    outs = compat.bind_eqn(eqn, args, params)
     return outs, [True] * len(outs)
 
 
@@ -230,16 +256,24 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
                      if _floating_aval(a) else a for a in out_avals]
 
     def new_bwd(*args):
-        r = args[:num_res]
+        r = list(args[:num_res])
         cts = [compat.dense_cotangent(c, _up_float(interp)) for c in args[num_res:]]
+        # Residuals that are traced stay inputs of the traced rule; concrete ones (a Python
+        # bool or scalar the user's fwd returned, seen here as a literal's value) reach the
+        # user's bwd as they are, exactly as under jax.grad, so it may branch on them.
+        dyn = [i for i, x in enumerate(r) if isinstance(x, jax.core.Tracer)]
 
-        def traced(r, cts_lo):
-            return compat.custom_lin_call_bwd(old_bwd, r, cts_lo)
+        def traced(r_dyn, cts_lo):
+            full = list(r)
+            for i, x in zip(dyn, r_dyn):
+                full[i] = x
+            return compat.custom_lin_call_bwd(old_bwd, full, cts_lo)
 
         ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-        jaxpr, consts, _ = compat.make_jaxpr_closed(traced, list(r), ct_avals)
-        outs, oflags = interp.eval(jaxpr, consts, [*r, *cts],
-                                   [False] * num_res + [True] * len(cts))
+        r_dyn = [r[i] for i in dyn]
+        jaxpr, consts, _ = compat.make_jaxpr_closed(traced, r_dyn, ct_avals)
+        outs, oflags = interp.eval(jaxpr, consts, [*r_dyn, *cts],
+                                   [False] * len(r_dyn) + [True] * len(cts))
         # Each input cotangent in the promoted dtype of its (linear) input.
         lin_avals = [v.aval for v in eqn.invars[num_res:]]
         nz = [not z for z in params["in_zeros"]]
@@ -332,44 +366,85 @@ def scatter_rule(interp: Interpreter, eqn, invals, inflags):
     return [out], [True]
 
 
+# ------------------------------------------------------------------------------ the default
+
+def _promoted_aval(interp, aval):
+    if _floating_aval(aval):
+        return aval.update(dtype=interp.up(aval.dtype), weak_type=False)
+    return aval
+
+
+def _why_not_promotable(interp: Interpreter, eqn, invals, params) -> str | None:
+    """None when binding `eqn` at promoted input avals (and promoted dtype params) is shown exact
+    by its abstract evaluation: it succeeds and gives every float output the promoted dtype of
+    the original output (and every other output its original dtype). Otherwise, why not."""
+    avals = [_promoted_aval(interp, compat.aval_of(x)) for x in invals]
+    try:
+        out_avals = compat.abstract_eval(eqn, avals, params)
+    except Exception as e:  # noqa: BLE001 - any failure is evidence against promotion
+        return f"its abstract evaluation at promoted dtypes raises {type(e).__name__}"
+    for v, a in zip(eqn.outvars, out_avals):
+        want = _promoted_aval(interp, v.aval)
+        if np.dtype(a.dtype) != np.dtype(want.dtype) or tuple(a.shape) != tuple(want.shape):
+            return (f"at promoted inputs it returns {a.dtype}{list(a.shape)} where "
+                    f"{want.dtype}{list(want.shape)} is needed")
+    return None
+
+
+def _call_like_jaxpr(eqn):
+    """The sub-jaxpr of a call-like equation (one sub-jaxpr whose inputs are the equation's
+    trailing inputs and whose outputs are its outputs, aval for aval), else None."""
+    jaxprs = compat.jaxprs_in_params(eqn.params)
+    if len(jaxprs) != 1:
+        return None
+    j, _ = compat.jaxpr_and_consts(jaxprs[0])
+    n = len(j.invars)
+    if n > len(eqn.invars) or len(j.outvars) != len(eqn.outvars):
+        return None
+    pairs = [*zip(j.invars, eqn.invars[len(eqn.invars) - n:]), *zip(j.outvars, eqn.outvars)]
+    for a, b in pairs:
+        if (tuple(a.aval.shape), a.aval.dtype) != (tuple(b.aval.shape), b.aval.dtype):
+            return None
+    return jaxprs[0]
+
+
+def default_rule(interp: Interpreter, eqn, invals, inflags):
+    """The rule of every primitive the table does not name (see the module docstring)."""
+    if compat.jaxprs_in_params(eqn.params):
+        j = _call_like_jaxpr(eqn)
+        if j is None:
+            return interp.unsupported(eqn, invals, inflags, "its params hold typed sub-programs")
+        n = len(compat.jaxpr_and_consts(j)[0].invars)
+        with jax.named_scope(str(eqn.params.get("name", eqn.primitive.name))):
+            return interp.eval_closed(j, invals[len(invals) - n:], inflags[len(inflags) - n:])
+    if any(compat.is_ref_or_extended(v.aval) for v in eqn.invars):
+        return interp.unsupported(eqn, invals, inflags, "it takes a mutable ref or a PRNG key")
+    params = _promote_params(interp, eqn.params)
+    why = _why_not_promotable(interp, eqn, invals, params)
+    if why is not None:
+        return interp.unsupported(eqn, invals, inflags, why)
+    return promote_rule(interp, eqn, invals, inflags, params)
+
+
+def hi_primitive_rule(interp: Interpreter, eqn, invals, inflags):
+    """`call_hi_primitive` (jax >= 0.12: `jnp.ldexp`, `jnp.frexp`, ...): its `HiPrim` object
+    holds the input avals it was built for, so it is rebuilt at the promoted avals and used when
+    its declared outputs are then the promoted ones."""
+    prim = compat.hi_primitive_at(eqn, lambda a: _promoted_aval(interp, a))
+    if prim is None:
+        return interp.unsupported(eqn, invals, inflags, "its HiPrim cannot be rebuilt")
+    outs = compat.hi_primitive_out_avals(prim)
+    want = [_promoted_aval(interp, v.aval) for v in eqn.outvars]
+    if [(tuple(a.shape), a.dtype) for a in outs] != [(tuple(a.shape), a.dtype) for a in want]:
+        return interp.unsupported(eqn, invals, inflags, "its rebuilt HiPrim is not promoted")
+    args = [interp.cast_up(x, f) if _floating(x) else x for x, f in zip(invals, inflags)]
+    outs = compat.bind_eqn(eqn, args, dict(eqn.params, _prim=prim))
+    return outs, [True] * len(outs)
+
+
 # ------------------------------------------------------------------------------ the table
 
-ELEMENTWISE = [
-    "neg", "add", "sub", "mul", "div", "rem", "max", "min", "abs", "sign", "floor", "ceil",
-    "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
-    "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
-    "cbrt", "pow", "integer_pow", "square", "one_minus_square", "erf", "erfc", "erf_inv",
-    "lgamma", "digamma",
-    "is_finite", "nextafter", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp",
-    "reduce_precision", "real", "imag", "conj", "complex", "copy", "copy_p", "stop_gradient",
-]
-STRUCTURAL = [
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev", "slice",
-    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "split", "iota",
-    "convert_element_type", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-    "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k",
-    "reduce_window_sum", "reduce_window_max", "reduce_window_min", "select_and_gather_add",
-    "select_and_scatter_add", "dot_general", "conv_general_dilated", "ragged_dot",
-    "ragged_dot_general", "reduce_and", "reduce_or", "reduce_xor",
-]
-LINALG = ["triangular_solve", "cholesky", "lu", "qr", "householder_product", "eigh", "svd",
-          "tridiagonal_solve", "schur", "eig"]
-COLLECTIVES = [
-    "psum", "pmax", "pmin", "all_gather", "ppermute", "psum_scatter", "reduce_scatter",
-    "all_to_all", "pbroadcast", "pvary", "pcast", "psum_invariant", "axis_index",
-    "psum2", "unreduced_psum", "vary_unreduced_cast", "reduced_vary_cast",
-]
-
-PROMOTE = RuleTable()
-PROMOTE.register(compat.primitives_named(ELEMENTWISE + STRUCTURAL + LINALG + COLLECTIVES),
-                 promote_rule)
-PROMOTE.register([compat.add_jaxvals_p, compat.sharding_constraint_p, compat.mesh_cast_p,
-                  compat.reshard_p, compat.device_put_p, compat.optimization_barrier_p,
-                  compat.debug_callback_p, compat.debug_print_p, compat.copy_p,
-                  compat.select_and_gather_add_p, compat.select_and_scatter_add_p,
-                  compat.reduce_window_sum_p, compat.cumsum_p,
-                  compat.psum_p, compat.pvary_p, compat.pcast_p, compat.pbroadcast_p],
-                 promote_rule)
+PROMOTE = RuleTable(default=default_rule)
 PROMOTE.register(lax.convert_element_type_p, convert_rule)
 PROMOTE.register(upcast_p, promote_rule)  # a backward that is itself differentiated
 PROMOTE.register(compat.primitives_named(["scatter", "scatter-add", "scatter_add", "scatter_mul",
@@ -390,6 +465,7 @@ PROMOTE.register(compat.custom_lin_p, custom_lin_rule)
 PROMOTE.register(compat.linear_solve_p, linear_solve_rule)
 PROMOTE.register(compat.shard_map_p, shard_map_rule, call_flags)
 PROMOTE.register([compat.pure_callback_p, compat.io_callback_p], callback_rule)
+PROMOTE.register(compat.call_hi_primitive_p, hi_primitive_rule)
 
 
 def register_rule(primitive, rule, flag_rule=None, table: RuleTable | None = None) -> None:
