@@ -44,6 +44,14 @@ def _check_loss(name: str, out, has_aux: bool) -> None:
     check(name, out, has_aux)
 
 
+def _no_argnums(name: str, argnums) -> None:
+    if argnums is not None:
+        raise ValueError(
+            f"hg.equinox.{name}: `argnums` is not accepted; the first argument is the one "
+            f"differentiated. To differentiate several objects, pass them as a tuple in the "
+            f"first argument: f((model, other), x).")
+
+
 def _check_first(name: str, x) -> None:
     """The differentiated argument must be a module or a pytree of arrays."""
     if isinstance(x, type):
@@ -138,7 +146,7 @@ class _GradWrapper(eqx.Module):
 
 
 def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = False,
-                          tangent_dtype=None, policy: Policy | None = None):
+                          tangent_dtype=None, policy: Policy | None = None, argnums=None):
     """``eqx.filter_value_and_grad`` with the backward pass in ``tangent_dtype`` (default f32).
 
     Differentiates `fun` with respect to the inexact (floating) array leaves of its first
@@ -150,7 +158,9 @@ def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = Fal
       fun: the function; it returns a scalar loss (or ``(loss, aux)``).
       has_aux: whether `fun` returns ``(loss, aux)``.
       tangent_dtype, policy: as in `hifigrad.grad`.
+      argnums: not accepted (as in Equinox): the first argument is the one differentiated.
     """
+    _no_argnums("filter_value_and_grad", argnums)
     if fun is _MISSING:
         return functools.partial(filter_value_and_grad, has_aux=has_aux,
                                  tangent_dtype=tangent_dtype, policy=policy)
@@ -162,13 +172,14 @@ def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = Fal
 
 
 def filter_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = False, tangent_dtype=None,
-                policy: Policy | None = None):
+                policy: Policy | None = None, argnums=None):
     """``eqx.filter_grad`` with the backward pass in ``tangent_dtype`` (default float32).
 
     Returns the gradient with respect to the first argument (``None`` for its leaves that are
     not inexact arrays), or ``(grads, aux)`` with ``has_aux=True``. See
     `filter_value_and_grad`.
     """
+    _no_argnums("filter_grad", argnums)
     if fun is _MISSING:
         return functools.partial(filter_grad, has_aux=has_aux, tangent_dtype=tangent_dtype,
                                  policy=policy)
