@@ -21,18 +21,22 @@ What is saved (``save=``):
     `fun` from the *decoded* inputs, so anything derived from them differs from the forward by
     the codec's error, gates included: a ReLU whose pre-activation is within the codec's error
     of zero can be open in the forward and closed in the recomputation.
-``"residuals"`` (ActNN-style, the most faithful gradients)
-    The forward linearizes `fun` (with hifigrad, so the backward runs in tangent precision) and
-    saves the residuals its backward needs, each as follows. A float residual that depends on
-    an encoded input and has at least as many elements as the smallest encoded input is saved
-    encoded (smaller ones, such as LayerNorm's per-row statistics, are saved as they are); a
-    bool one (a ReLU mask) is bit-packed, 8 per byte, losslessly; an integer one is saved as
-    it is. Residuals that do not depend on any encoded input (casts of the parameters,
-    constants such as the zeros of a ReLU's select) are not saved but recomputed in the
-    backward from the inputs that are saved as they are. Nothing is recomputed from lossy
-    data, so the backward's gates are the forward's exactly. It costs more memory than
-    ``"inputs"`` when a block keeps several activation-sized residuals (a tanh-GELU keeps
-    five), and about the same for a Dense + ReLU block (its input, encoded, and a 1-bit mask).
+``"residuals"`` (ActNN-style: no recomputation of the block, exact gates)
+    The forward linearizes `fun` (with hifigrad, so the backward runs in tangent precision)
+    and saves, for each chain of elementwise ops between linear ones (dot_general, conv,
+    reductions, ...), one tensor: the chain's *input*, encoded. The backward rebuilds the
+    chain's output (the next linear op's input) and its derivative from it, elementwise: cheap,
+    and not a recomputation of the block's matmuls. For a pre-LN GELU MLP block that is its
+    input and the first matmul's output (tanh-GELU's five intermediates are not saved). Bool
+    masks (a ReLU's gate) are saved as the forward computed them, bit-packed 8 per byte, so
+    the backward's gates are the forward's exactly, never recomputed from lossy data. Which
+    values are saved: an encoded input or the output of a non-elementwise equation that the
+    backward needs; a float one with at least as many elements as the smallest encoded input
+    is encoded (smaller ones, such as LayerNorm's per-row statistics, are saved as they are),
+    an integer one is saved as it is. Values that depend on no encoded input (casts of the
+    parameters, constants) are recomputed in the backward from the inputs saved as they are.
+    It costs more memory than ``"inputs"`` (one more activation-sized tensor per linear op)
+    and computes less: the backward runs no forward matmul.
 """
 
 from __future__ import annotations
@@ -136,18 +140,44 @@ def _ckpt_res(fun_flat, codec, policy, encode, args, consts):
     return fun_flat(*args, *consts)
 
 
-class _Plan:
-    """Static: how each residual leaf of the pullback is kept (held in the residuals' treedef).
+# Primitives cheap enough to recompute in the backward: elementwise ops (and comparisons,
+# casts, selects), and ops that only broadcast or rearrange elements without dropping any.
+# Anything else (dot_general, conv, reductions, slices, gathers, sorts, loops, unknown
+# primitives) ends a chain: its output is saved when the backward needs it.
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+    pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh
+    xor broadcast_in_dim reshape squeeze expand_dims transpose
+    """.split())
 
-    ``kinds[i]`` is ``"encode"``, ``"bits"`` (a bit-packed bool), ``"keep"`` or
-    ``"recompute"``. The recomputed leaves are outputs of ``jaxpr`` (the forward and its
-    residuals) that depend on none of the encoded inputs: the backward evaluates just the
-    equations they need, on the inputs saved as they are.
+
+def _cheap(eqn) -> bool:
+    """Whether `eqn` is elementwise (or a call of only elementwise equations), so that the
+    backward may recompute it instead of its output being saved."""
+    if eqn.effects:
+        return False
+    if eqn.primitive.name in _ELEMENTWISE:
+        return True
+    sub = _call_jaxpr(eqn)
+    return sub is not None and all(_cheap(e) for e in sub.eqns)
+
+
+class _Plan:
+    """Static: what the forward saves for the backward (held in the residuals' treedef).
+
+    ``jaxpr`` computes `fun`'s outputs (the first ``n_out``) and the residual leaves of its
+    pullback (``vjp_tree``). ``saved_vars`` are the jaxpr variables whose values the forward
+    saves, each as ``kinds[i]``: ``"encode"`` (with the codec), ``"bits"`` (a bit-packed bool
+    mask) or ``"keep"``. The backward seeds an environment with them, the kept inputs and
+    the consts, and evaluates the equations the residual leaves need from there: elementwise
+    chains, and anything that depends on no encoded input (casts of the parameters).
     """
 
-    def __init__(self, kinds, avals, vjp_tree, jaxpr, n_out, encoded_in):
-        self.kinds, self.avals, self.vjp_tree = kinds, avals, vjp_tree
-        self.jaxpr, self.n_out, self.encoded_in = jaxpr, n_out, encoded_in
+    def __init__(self, jaxpr, n_out, vjp_tree, encoded_in, saved_vars, kinds):
+        self.jaxpr, self.n_out, self.vjp_tree = jaxpr, n_out, vjp_tree
+        self.encoded_in, self.saved_vars, self.kinds = encoded_in, saved_vars, kinds
 
 
 jax.tree_util.register_pytree_node(_Plan, lambda p: ((), p), lambda p, _: p)
@@ -165,12 +195,12 @@ def _call_jaxpr(eqn):
     return jaxpr
 
 
-def _depends(jaxpr, in_flags: Sequence[bool]) -> list[bool]:
-    """Which outputs of `jaxpr` depend on the inputs flagged in `in_flags` (any dtype).
+def _dependence(jaxpr, in_flags: Sequence[bool]) -> dict:
+    """For each variable of `jaxpr`, whether it depends on the inputs flagged in `in_flags`.
 
     Call-like equations (jit, custom_jvp/vjp calls, remat) are looked into; for any other
     equation every output depends on every input (an over-approximation, which only ever makes
-    a residual saved rather than recomputed).
+    a value saved rather than recomputed).
     """
     dep: dict = {v: bool(f) for v, f in zip(jaxpr.invars, in_flags)}
 
@@ -182,25 +212,66 @@ def _depends(jaxpr, in_flags: Sequence[bool]) -> list[bool]:
         if not any(flags):
             continue
         sub = _call_jaxpr(eqn)
-        out = _depends(sub, flags) if sub is not None else [True] * len(eqn.outvars)
+        if sub is not None:
+            sub_dep = _dependence(sub, flags)
+            out = [False if compat.is_literal(v) else sub_dep.get(v, False)
+                   for v in sub.outvars]
+        else:
+            out = [True] * len(eqn.outvars)
         for v, f in zip(eqn.outvars, out):
             if not compat.is_dropvar(v):
                 dep[v] = f
-    return [read(v) for v in jaxpr.outvars]
+    return dep
 
 
-def _eval_outputs(jaxpr, consts, args, want: Sequence[bool], effects: bool = False) -> list:
-    """The outputs of `jaxpr` marked in `want`, evaluating only the equations they need (and,
-    with `effects`, every equation that has an effect, such as a `jax.debug.print`)."""
-    needed = {v for v, w in zip(jaxpr.outvars, want) if w and not compat.is_literal(v)}
+def _choose_saved(jaxpr, n_out: int, encoded_in: Sequence[bool]) -> list:
+    """The variables the forward must save so that the backward can rebuild every residual
+    leaf (the outputs after the first `n_out`) by elementwise recomputation only.
+
+    Walking back from the residual leaves: a value that depends on no encoded input is
+    recomputed from the inputs kept as they are; an encoded input is saved (encoded); a float
+    value computed by an elementwise equation is recomputed from that equation's inputs, so a
+    chain of elementwise ops costs one saved tensor, its input; any other value (the output of
+    a dot_general, a reduction, ...; a bool mask or an integer) is saved. Bool masks are saved
+    as the forward computed them, so gates (a ReLU's) are exact.
+    """
+    dep = _dependence(jaxpr, encoded_in)
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars if not compat.is_dropvar(v)}
+    invars = set(jaxpr.invars)
+    saved, seen = [], set()
+    stack = [v for v in reversed(jaxpr.outvars[n_out:]) if not compat.is_literal(v)]
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in invars:
+            if dep[v]:  # an encoded input
+                saved.append(v)
+            continue
+        eqn = producer.get(v)
+        if eqn is None:  # a constvar
+            continue
+        floating = jnp.issubdtype(v.aval.dtype, jnp.floating)
+        if dep.get(v, False) and not (floating and _cheap(eqn)):
+            saved.append(v)
+            continue
+        stack.extend(u for u in eqn.invars if not compat.is_literal(u) and u not in seen)
+    return saved
+
+
+def _eval_jaxpr(jaxpr, env: dict, want: Sequence, effects: bool = False) -> list:
+    """The values of the variables `want`, evaluating from `env` (variables already known)
+    only the equations they need (and, with `effects`, every equation that has an effect,
+    such as a `jax.debug.print`)."""
+    needed = {v for v in want if not compat.is_literal(v) and v not in env}
     live = []
     for eqn in reversed(jaxpr.eqns):
-        if (effects and eqn.effects) or any(
-                v in needed for v in eqn.outvars if not compat.is_dropvar(v)):
+        outs = [v for v in eqn.outvars if not compat.is_dropvar(v)]
+        if (effects and eqn.effects) or any(v in needed for v in outs):
             live.append(eqn)
-            needed.update(v for v in eqn.invars if not compat.is_literal(v))
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+            needed.update(v for v in eqn.invars if not compat.is_literal(v) and v not in env)
+    env = dict(env)
 
     def read(v):
         return v.val if compat.is_literal(v) else env[v]
@@ -208,7 +279,7 @@ def _eval_outputs(jaxpr, consts, args, want: Sequence[bool], effects: bool = Fal
     for eqn in reversed(live):
         outs = compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
         env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
-    return [read(v) for v, w in zip(jaxpr.outvars, want) if w]
+    return [read(v) for v in want]
 
 
 def _pack_bits(x):
@@ -235,31 +306,29 @@ def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
     everything = (*args, *consts)
     jaxpr, jconsts, _ = compat.make_jaxpr_closed(outs_and_residuals, *everything)
     vjp_tree, n_out = box[-1]
-    vals = _eval_outputs(jaxpr, jconsts, everything, [True] * len(jaxpr.outvars), effects=True)
-    out, leaves = vals[:n_out], vals[n_out:]
-
     encoded_in = tuple(encode) + (False,) * len(consts)
-    dep = _depends(jaxpr, encoded_in)[n_out:]
+    saved_vars = _choose_saved(jaxpr, n_out, encoded_in)
+    env = dict(zip(jaxpr.constvars, jconsts))
+    env.update(zip(jaxpr.invars, everything))
+    vals = _eval_jaxpr(jaxpr, env, [*jaxpr.outvars[:n_out], *saved_vars], effects=True)
+    out, values = vals[:n_out], vals[n_out:]
+
     sizes = [math.prod(np.shape(a)) for a, e in zip(args, encode) if e]
     min_size = min(sizes) if sizes else math.inf
     kinds, saved = [], []
-    for leaf, d in zip(leaves, dep):
-        dt = jnp.result_type(leaf)
-        if not d:
-            kinds.append("recompute")
-            continue
-        if jnp.issubdtype(dt, jnp.floating) and math.prod(np.shape(leaf)) >= min_size:
+    for x in values:
+        dt = jnp.result_type(x)
+        if jnp.issubdtype(dt, jnp.floating) and math.prod(np.shape(x)) >= min_size:
             kinds.append("encode")
-            saved.append(codec.encode(leaf))
+            saved.append(codec.encode(x))
         elif dt == jnp.bool_:
             kinds.append("bits")
-            saved.append(_pack_bits(leaf))
+            saved.append(_pack_bits(x))
         else:
             kinds.append("keep")
-            saved.append(leaf)
+            saved.append(x)
     kept = [x for x, e in zip(everything, encoded_in) if not e]
-    avals = tuple(jax.ShapeDtypeStruct(np.shape(l), jnp.result_type(l)) for l in leaves)
-    plan = _Plan(tuple(kinds), avals, vjp_tree, jaxpr, n_out, encoded_in)
+    plan = _Plan(jaxpr, n_out, vjp_tree, encoded_in, tuple(saved_vars), tuple(kinds))
     dtypes = _Dtypes(tuple(jnp.result_type(x) for x in everything))
     return out, (saved, kept, list(jconsts), plan, dtypes)
 
@@ -267,23 +336,17 @@ def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
 def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
     del fun_flat, policy
     saved, kept, jconsts, plan, dtypes = res
-    # The encoded inputs are not saved; no recomputed leaf depends on them, so zeros stand in.
-    kept_it = iter(kept)
-    inputs = [jnp.zeros(v.aval.shape, v.aval.dtype) if e else next(kept_it)
-              for v, e in zip(plan.jaxpr.invars, plan.encoded_in)]
-    want = [False] * plan.n_out + [k == "recompute" for k in plan.kinds]
-    recomputed = iter(_eval_outputs(plan.jaxpr, jconsts, inputs, want))
-    saved_it = iter(saved)
-    leaves = []
-    for k, aval in zip(plan.kinds, plan.avals):
-        if k == "recompute":
-            leaves.append(next(recomputed))
-        elif k == "encode":
-            leaves.append(codec.decode(next(saved_it), aval.dtype))
-        elif k == "bits":
-            leaves.append(_unpack_bits(next(saved_it), aval))
+    jaxpr = plan.jaxpr
+    env = dict(zip(jaxpr.constvars, jconsts))
+    env.update(zip([v for v, e in zip(jaxpr.invars, plan.encoded_in) if not e], kept))
+    for v, kind, s in zip(plan.saved_vars, plan.kinds, saved):
+        if kind == "encode":
+            env[v] = codec.decode(s, v.aval.dtype)
+        elif kind == "bits":
+            env[v] = _unpack_bits(s, v.aval)
         else:
-            leaves.append(next(saved_it))
+            env[v] = s
+    leaves = _eval_jaxpr(jaxpr, env, jaxpr.outvars[plan.n_out:])
     vjp_fn = tree_unflatten(plan.vjp_tree, leaves)
     return _input_cotangents(vjp_fn(list(cts)), dtypes.dtypes, len(encode))
 
@@ -314,9 +377,9 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
       policy: a `hifigrad.Policy` for the backward (float32 by default).
       tangent_dtype: shorthand for ``Policy(tangent_dtype=...)``.
       save: ``"inputs"`` saves `fun`'s float array inputs encoded and recomputes `fun` from
-        them in the backward (the least memory); ``"residuals"`` saves the residuals of
-        `fun`'s backward, activation-sized float ones encoded and bool masks bit-packed, and
-        recomputes nothing from lossy data (the most faithful gradients; see the module
+        them in the backward (the least memory); ``"residuals"`` saves one encoded tensor per
+        chain of elementwise ops (the chain's input) and bool masks bit-packed, recomputes
+        only elementwise ops in the backward, and keeps gates exact (see the module
         docstring).
 
     Returns:
@@ -384,9 +447,10 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
 
     The per-step inputs `xs` (for example stacked layer parameters) are saved as they are; the
     carry (the activations passed between steps) is what gets compressed. With
-    ``save="residuals"`` each step saves the residuals of its backward that derive from the
-    carry, encoded (bool masks bit-packed), instead of the carry, and nothing is recomputed
-    from lossy data (see `checkpoint`).
+    ``save="residuals"`` each step saves, encoded, the input of each elementwise chain its
+    backward needs (the carry and each matmul's output; bool masks bit-packed), and the
+    backward recomputes only elementwise ops, no matmul, with the forward's gates (see
+    `checkpoint`).
 
     Delayed scaling (`hifigrad.codecs.DelayedFP8Codec`, as in the seed issue and Flax's
     ``fp8_ops``): pass ``codec_state``; every step's carry is then encoded with its scale, and
