@@ -447,8 +447,41 @@ def main_mp_ref(out_path):
     print("RESULT " + json.dumps({"ok": True, "losses": losses}), flush=True)
 
 
+def case_explicit_auto_axes(report):
+    """An Explicit mesh with `jax.sharding.auto_axes` inside: the casts a rule stages must run
+    in the equation's mesh context. (Regression: `ValueError: For primitive
+    convert_element_type, context mesh ... should match the aval mesh`.)"""
+    from jax.sharding import AxisType
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(11)
+    w0 = rng.uniform(0.1, 1.0, 2 * n).astype(np.float32)
+    x0 = rng.standard_normal(2 * n).astype(np.float32)
+
+    def loss(w, x):
+        y = jax.sharding.auto_axes(lambda w, x: jnp.tanh(x * w), out_sharding=P("x"))(w, x)
+        return jnp.sum((y ** 2).astype(jnp.float32))
+
+    def ref_loss(w, x):
+        return jnp.sum((jnp.tanh(x * w) ** 2).astype(jnp.float32))
+
+    # The same ops on one device, without meshes: f32 rounding apart, the same gradient.
+    want = hg.grad(ref_loss)(*_single_device((jnp.asarray(w0, jnp.bfloat16),
+                                             jnp.asarray(x0, jnp.bfloat16))))
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    with use_mesh(mesh):
+        w = jax.device_put(jnp.asarray(w0, jnp.bfloat16), NamedSharding(mesh, P("x")))
+        x = jax.device_put(jnp.asarray(x0, jnp.bfloat16), NamedSharding(mesh, P("x")))
+        for tag, fn in (("eager", hg.grad(loss)), ("jit", jax.jit(hg.grad(loss)))):
+            g = fn(w, x)
+            assert g.dtype == jnp.float32, g.dtype
+            _compare(f"auto_axes_{tag}", g, want, report)
+
+
 CASES = {"data_parallel": case_data_parallel, "fsdp": case_fsdp,
-         "tensor_parallel": case_tensor_parallel, "shard_map": case_shard_map, "hlo": case_hlo}
+         "tensor_parallel": case_tensor_parallel, "shard_map": case_shard_map, "hlo": case_hlo,
+         "explicit_auto_axes": case_explicit_auto_axes}
 
 
 def main():
