@@ -13,6 +13,7 @@ from ._src.codecs import get_codec as get_codec
 from ._src.interpreter import PrecisionFallbackWarning as PrecisionFallbackWarning
 from ._src.interpreter import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._src.policy import Policy as Policy
+from ._src.report import fidelity_report as fidelity_report
 from ._src.rules import promote_rule as promote_rule
 from ._src.rules import register_rule as register_rule
 
@@ -38,6 +39,7 @@ __all__ = [
     "PrecisionFallbackWarning",
     "checkpoint",
     "codecs",
+    "fidelity_report",
     "get_codec",
     "scan",
     "UnsupportedPrimitiveError",
