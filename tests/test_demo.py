@@ -87,6 +87,64 @@ def test_compressed_modes_save_less_for_the_blocks(quick):
     assert rows["int2-hg"]["block_residual_bytes"] < rows["int4-hg"]["block_residual_bytes"]
 
 
+# ------------------------------------------------------------------------------ recurrent task
+
+RECURRENT_MODES = ("f32", "bf16", "bf16-hg")
+
+
+@pytest.fixture(scope="module")
+def recurrent(tmp_path_factory):
+    """A tiny ``--task recurrent --quick`` run: 1 block, 3 steps, 3 modes, lengths 64 and 256
+    (the quick training length)."""
+    out = tmp_path_factory.mktemp("recurrent")
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        rc = main(["demo", "--task", "recurrent", "--quick", "--modes", ",".join(RECURRENT_MODES),
+                   "--steps", "3", "--layers", "1", "--lengths", "64", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    return rc, out, results
+
+
+def test_recurrent_quick_run_writes_report_results_and_plots(recurrent):
+    rc, out, results = recurrent
+    assert rc == 0
+    assert [r["name"] for r in results["modes"]] == list(RECURRENT_MODES)
+    assert all(r["status"] == "ok" for r in results["modes"])
+    cfg = results["config"]
+    assert cfg["task"] == "recurrent" and cfg["seq_len"] == 256 and cfg["n_layers"] == 1
+    for name in [*FILES, "sqnr_vs_length.png"]:
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "sqnr_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "LRU-style linear recurrence" in report
+    assert "## Gradient SQNR vs sequence length" in report and "| T=64 | T=256 |" in report
+    assert any(c.startswith("Gradient SQNR vs f32 at the initial parameters")
+               for c in results["conclusions"])
+
+
+def test_recurrent_length_sweep_is_measured_against_f32(recurrent):
+    _, _, results = recurrent
+    sweep = results["length_sweep"]
+    assert sweep["lengths"] == [64, 256] and set(sweep["sqnr_db"]) == {"bf16", "bf16-hg"}
+    rows = {r["name"]: r for r in results["modes"]}
+    for name, ys in sweep["sqnr_db"].items():
+        assert all(isinstance(y, float) and math.isfinite(y) for y in ys), name
+        # At the training length the sweep is the training run's step-0 measurement (same
+        # parameters, same batch, same compiled program).
+        assert ys[-1] == pytest.approx(rows[name]["sqnr_step0_db"], abs=1e-9), name
+    # The claim the task exists to show, at the longest length measured here.
+    assert sweep["sqnr_db"]["bf16-hg"][-1] > sweep["sqnr_db"]["bf16"][-1]
+
+
+def test_default_task_is_the_gpt():
+    from hifigrad.demo.cli import _config, _parser
+    from hifigrad.demo.train import RECURRENT, DemoConfig
+
+    args = _parser().parse_args(["demo"])
+    assert _config(args) == DemoConfig()
+    cfg = _config(_parser().parse_args(["demo", "--task", "recurrent"]))
+    assert cfg == RECURRENT and cfg.seq_len >= 1024 and cfg.model.seq_len == cfg.seq_len
+
+
 # ------------------------------------------------------------------------------ flag errors
 
 def _one_line_error(capsys, argv) -> str:
@@ -110,6 +168,10 @@ def _one_line_error(capsys, argv) -> str:
     (["demo", "--frobnicate"], "unrecognized arguments"),
     (["demo", "--devices", "8"], "--devices 8: JAX sees only"),
     (["frobnicate"], "invalid choice"),
+    (["demo", "--task", "lstm"], "invalid choice"),
+    (["demo", "--task", "recurrent", "--lengths", "64,0"], "lengths must be at least 1"),
+    (["demo", "--task", "recurrent", "--lengths", ","], "no length given"),
+    (["demo", "--lengths", "64"], "only the recurrent task"),
 ])
 def test_bad_flags_get_a_one_line_error(capsys, tmp_path, argv, expected):
     line = _one_line_error(capsys, [*argv, "--out", str(tmp_path)] if argv[0] == "demo"

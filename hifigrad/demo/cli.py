@@ -44,22 +44,42 @@ _positive_int = _int_at_least(1, "a positive integer", "must be at least 1")
 _seed = _int_at_least(0, "an integer", "must be non-negative")
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated positive sequence lengths."""
+    parse = _int_at_least(1, "comma-separated positive integers", "lengths must be at least 1")
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("no length given")
+    return tuple(dict.fromkeys(parse(t) for t in items))
+
+
 def _parser() -> argparse.ArgumentParser:
     from .modes import MODES
+    from .train import TASKS
 
     p = _Parser(prog=PROG, description="High-fidelity (float32) gradients for JAX models "
                                        "computed in bf16, fp16 or fp8.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     d = sub.add_parser(
-        "demo", help="train a scanned-transformer LM in every precision mode and compare them",
-        description="Trains a GPT-style byte-level language model on the Python standard "
-                    "library's source once per precision mode (same init, same batches) and "
-                    "reports gradient fidelity vs float32, loss curves, memory and speed.",
+        "demo", help="train a byte-level LM in every precision mode and compare them",
+        description="Trains a byte-level language model on the Python standard library's "
+                    "source once per precision mode (same init, same batches) and reports "
+                    "gradient fidelity vs float32, loss curves, memory and speed. Tasks: 'gpt' "
+                    "(default), a scanned GPT-style decoder, every mode; 'recurrent', an "
+                    "LRU-style linear recurrence over a 1024-byte context, the precision modes "
+                    "(f32, bf16, fp16), plus the gradient SQNR against the sequence length.",
         epilog="modes: " + "; ".join(f"{m.name} ({m.label})" for m in MODES))
+    d.add_argument("--task", choices=TASKS, default="gpt",
+                   help="the model to train (default: gpt)")
     d.add_argument("--steps", type=_positive_int, help="training steps per mode")
-    d.add_argument("--modes", default="all",
-                   help="comma-separated modes to run (default: all), see below")
-    d.add_argument("--layers", type=_positive_int, help="number of transformer blocks")
+    d.add_argument("--modes", default=None,
+                   help="comma-separated modes to run, or 'all' (default: all for gpt, the "
+                        "precision modes for recurrent), see below")
+    d.add_argument("--layers", type=_positive_int, help="number of blocks")
+    d.add_argument("--lengths", type=_lengths,
+                   help="recurrent task: comma-separated sequence lengths of the gradient-SQNR "
+                        "sweep, besides the training length (default 128,512,2048; with "
+                        "--quick 1024)")
     d.add_argument("--seed", type=_seed, default=0, help="seed of the init and the batches")
     d.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
     d.add_argument("--quick", action="store_true",
@@ -69,9 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_modes(text: str) -> tuple[str, ...]:
+def _parse_modes(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
     from .modes import MODE_NAMES
 
+    if text is None:
+        return default
     if text.strip() == "all":
         return MODE_NAMES
     names = [t.strip() for t in text.split(",") if t.strip()]
@@ -96,10 +118,19 @@ def _check_out(out: str) -> Path:
 
 
 def _config(args):
-    from .train import QUICK, DemoConfig
+    from .train import QUICK, RECURRENT, RECURRENT_QUICK, DemoConfig
 
-    base = QUICK if args.quick else DemoConfig()
-    changes = {"modes": _parse_modes(args.modes), "seed": args.seed, "devices": args.devices}
+    if args.task == "recurrent":
+        base = RECURRENT_QUICK if args.quick else RECURRENT
+    else:
+        base = QUICK if args.quick else DemoConfig()
+    changes = {"modes": _parse_modes(args.modes, base.modes), "seed": args.seed,
+               "devices": args.devices}
+    if args.lengths is not None:
+        if args.task != "recurrent":
+            raise UsageError("--lengths: only the recurrent task has a length sweep "
+                             "(add --task recurrent)")
+        changes["sweep_lengths"] = args.lengths
     if args.steps is not None:
         changes["steps"] = args.steps
     if args.layers is not None:
@@ -161,8 +192,9 @@ def _run_demo(config, out: Path, argv: list[str]) -> int:
     console = Console()
     if not console.is_terminal:  # a pipe or a log file: room for the whole table
         console = Console(width=max(console.width, 150))
-    console.print(f"[bold]hifigrad demo[/]: {len(config.modes)} modes x {config.steps} steps, "
-                  f"{config.n_layers} blocks; {describe_platform()}")
+    console.print(f"[bold]hifigrad demo[/] ({config.task}): {len(config.modes)} modes x "
+                  f"{config.steps} steps, {config.n_layers} blocks, context {config.seq_len}; "
+                  f"{describe_platform()}")
     with _RichReporter(console) as reporter:
         results = run(config, reporter)
     command = "hifigrad " + " ".join(shlex.quote(a) for a in argv)

@@ -22,8 +22,8 @@ from jax import lax
 
 from . import model as M
 
-__all__ = ["MODES", "MODE_NAMES", "Mode", "ModeFns", "MissingAPI", "build", "get_mode",
-           "remat_blocks_vjp"]
+__all__ = ["MODES", "MODE_NAMES", "PRECISION_MODE_NAMES", "Mode", "ModeFns", "MissingAPI",
+           "build", "get_mode", "model_module", "remat_blocks_vjp"]
 
 # Dynamic loss scaling, the standard scheme (as in NVIDIA Apex / torch.amp's GradScaler).
 LOSS_SCALE_INIT = 2.0**15
@@ -100,6 +100,9 @@ MODES: tuple[Mode, ...] = (
          description="as fp8-hg, saving int2 (per-group, stochastic rounding) block inputs."),
 )
 MODE_NAMES: tuple[str, ...] = tuple(m.name for m in MODES)
+# The modes that differ only in the forward's dtype and the backward (every residual saved as
+# the forward made it): the recurrent task's default.
+PRECISION_MODE_NAMES: tuple[str, ...] = tuple(m.name for m in MODES if m.saved == "all")
 _BY_NAME = {m.name: m for m in MODES}
 
 
@@ -260,8 +263,18 @@ def _true():
     return jnp.asarray(True)
 
 
-def build(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
-    """The functions training needs for ``mode``.
+def model_module(cfg):
+    """The module that defines the model of ``cfg``: `model` (the GPT, `model.ModelConfig`) or
+    `recurrent` (`recurrent.RecurrentConfig`). Both have the same functions (``init_params``,
+    ``block``, ``loss_fn``, ``n_params``)."""
+    from . import recurrent
+
+    return recurrent if isinstance(cfg, recurrent.RecurrentConfig) else M
+
+
+def build(mode: Mode, cfg) -> ModeFns:
+    """The functions training needs for ``mode``, on the model ``cfg`` describes (a
+    `model.ModelConfig` or a `recurrent.RecurrentConfig`).
 
     Raises:
       MissingAPI: when the mode needs a hifigrad API this installation lacks.
@@ -269,6 +282,7 @@ def build(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
     dt = mode.dtype
     if mode.saved == "fp8-seed":
         return _build_seed(mode, cfg)
+    model = model_module(cfg)
 
     if mode.saved == "all":
         run_blocks = M.lax_scan_blocks
@@ -283,10 +297,10 @@ def build(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
             return out
 
     def loss(params, batch):
-        return M.loss_fn(cfg, params, batch, dt, run_blocks)
+        return model.loss_fn(cfg, params, batch, dt, run_blocks)
 
     def blocks(x, stacked):
-        return run_blocks(functools.partial(M.block, cfg), x, stacked)
+        return run_blocks(functools.partial(model.block, cfg), x, stacked)
 
     if mode.grad == "hg":
         hg = _hg()
@@ -317,13 +331,15 @@ def build(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
                    vjp_for_memory=vjp_for_memory, blocks_vjp_for_memory=blocks_vjp_for_memory)
 
 
-def remat_blocks_vjp(cfg: M.ModelConfig):
+def remat_blocks_vjp(cfg):
     """A memory reference that is not a mode: the pullback of a `jax.checkpoint` scan over the
     blocks (``nothing_saveable``: only each block's input carry is saved, uncompressed).
     ``(params, state, x) -> vjp_fn``, like `ModeFns.blocks_vjp_for_memory`."""
 
+    block = model_module(cfg).block
+
     def run_blocks(x, stacked):
-        body = jax.checkpoint(lambda c, p: (M.block(cfg, c, p), None),
+        body = jax.checkpoint(lambda c, p: (block(cfg, c, p), None),
                               policy=jax.checkpoint_policies.nothing_saveable)
         return lax.scan(body, x, stacked)[0]
 
@@ -357,12 +373,13 @@ def _loss_scaled_vg(loss, params, state, batch):
     return scaled_loss / scale, grads, new_state, ok
 
 
-def _build_seed(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
+def _build_seed(mode: Mode, cfg) -> ModeFns:
     dt = mode.dtype
     quantize, dequantize = _seed_fp8_ops(dt, jnp.float8_e4m3fn, dt)
+    model = model_module(cfg)
 
     def loss(params, meta, batch):
-        return M.loss_fn(cfg, params, batch, dt, _seed_run_blocks(meta, quantize, dequantize))
+        return model.loss_fn(cfg, params, batch, dt, _seed_run_blocks(meta, quantize, dequantize))
 
     vg = jax.value_and_grad(loss, argnums=(0, 1))
 
@@ -378,7 +395,7 @@ def _build_seed(mode: Mode, cfg: M.ModelConfig) -> ModeFns:
     def blocks_vjp_for_memory(params, meta, x):
         def blocks(x, stacked, meta):
             run = _seed_run_blocks(meta, quantize, dequantize)
-            return run(functools.partial(M.block, cfg), x, stacked)
+            return run(functools.partial(model.block, cfg), x, stacked)
 
         return jax.vjp(blocks, x, params["blocks"], meta)[1]
 

@@ -1,4 +1,5 @@
-"""Writes a demo run's results: ``report.md``, ``results.json`` and PNG plots.
+"""Writes a demo run's results: ``report.md``, ``results.json`` and PNG plots (with a length
+sweep, as the recurrent task has, also ``sqnr_vs_length.png``).
 
 Every conclusion in the report is computed here from the measured numbers; none is written in
 advance. Plots use Matplotlib's Agg canvas directly (no pyplot, no global backend switch).
@@ -29,7 +30,8 @@ LEGEND = (
     "compile time of the gradient program."
 )
 
-PLOTS = {"loss": "loss_curves.png", "sqnr": "grad_sqnr.png", "memory": "memory.png"}
+PLOTS = {"loss": "loss_curves.png", "sqnr": "grad_sqnr.png", "memory": "memory.png",
+         "length": "sqnr_vs_length.png"}
 
 
 # ------------------------------------------------------------------------------ formatting
@@ -140,6 +142,8 @@ def conclusions(results: dict) -> list[str]:
             s += f"; final loss {closer} f32 (gap {ga:+.3g} vs {gb:+.3g})"
         out.append(s + ".")
 
+    out += _sweep_conclusions(results)
+
     for r in others:
         frac = r.get("lost_grad_frac_step0")
         if frac is not None and frac >= 0.01:
@@ -182,6 +186,36 @@ def conclusions(results: dict) -> list[str]:
     for r in skipped:
         what = "failed" if r["status"] == "failed" else "was not run"
         out.append(f"{r['label']} {what}: {r['reason']}")
+    return out
+
+
+def _sweep_conclusions(results: dict) -> list[str]:
+    """The length sweep's findings: each mode's SQNR from the shortest to the longest length,
+    and each hifigrad row beside its plain counterpart at the longest length."""
+    sweep = results.get("length_sweep")
+    if not sweep:
+        return []
+    lengths = sweep["lengths"]
+    labels = {r["name"]: r["label"] for r in results["modes"]}
+    out = []
+    trend = []
+    for name, ys in sweep["sqnr_db"].items():
+        pts = [(n, y) for n, y in zip(lengths, ys) if _num(y) is not None]
+        if len(pts) >= 2:
+            (n0, y0), (n1, y1) = pts[0], pts[-1]
+            trend.append(f"{labels.get(name, name)} {y0:.1f} → {y1:.1f} dB ({y1 - y0:+.1f})")
+    if trend:
+        out.append(f"Gradient SQNR vs f32 at the initial parameters, sequence length "
+                   f"{lengths[0]} → {lengths[-1]}: " + "; ".join(trend) + ".")
+    by = {r["name"]: r for r in results["modes"]}
+    for name, ys in sweep["sqnr_db"].items():
+        c = by.get(name, {}).get("counterpart")
+        if c not in sweep["sqnr_db"]:
+            continue
+        a, b = _num(ys[-1]), _num(sweep["sqnr_db"][c][-1])
+        if a is not None and b is not None:
+            out.append(f"At length {lengths[-1]}: {labels[name]} {a:.1f} dB vs "
+                       f"{labels[c]} {b:.1f} dB ({a - b:+.1f} dB).")
     return out
 
 
@@ -291,6 +325,26 @@ def plot_memory(results: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def plot_length_sweep(results: dict, path: Path) -> None:
+    sweep = results["length_sweep"]
+    labels = {r["name"]: r["label"] for r in results["modes"]}
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    for name, ys in sweep["sqnr_db"].items():
+        ax.plot(sweep["lengths"], [math.nan if y is None else y for y in ys], marker="o",
+                label=labels.get(name, name), **_style(name))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sweep["lengths"])
+    ax.set_xticklabels([str(n) for n in sweep["lengths"]])
+    ax.set_xlabel("sequence length T (steps of the recurrence)")
+    ax.set_ylabel("gradient SQNR vs f32 gradient (dB)")
+    ax.set_title("Gradient fidelity vs sequence length, at the initial parameters")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 # ------------------------------------------------------------------------------ files
 
 def _md_cell(text: str) -> str:
@@ -302,10 +356,15 @@ def _markdown(results: dict, command: str | None) -> str:
     lines = ["# hifigrad demo: precision modes side by side", ""]
     if command:
         lines += [f"Made with `{command}`.", ""]
+    if cfg.get("task", "gpt") == "recurrent":
+        model = (f"LRU-style linear recurrence (`lax.scan` over the {cfg['seq_len']}-byte "
+                 f"context in the compute dtype), {cfg['n_layers']} scanned blocks, d_model "
+                 f"{cfg['d_model']}, state {cfg['d_state']}")
+    else:
+        model = (f"GPT-style byte-level decoder, {cfg['n_layers']} scanned blocks, d_model "
+                 f"{cfg['d_model']}, {cfg['n_heads']} heads, context {cfg['seq_len']}")
     lines += [
-        f"- Model: GPT-style byte-level decoder, {cfg['n_layers']} scanned blocks, d_model "
-        f"{cfg['d_model']}, {cfg['n_heads']} heads, context {cfg['seq_len']}, "
-        f"{results['n_params']:,} parameters (float32 masters), AdamW.",
+        f"- Model: {model}, {results['n_params']:,} parameters (float32 masters), AdamW.",
         f"- Data: {results['corpus']}.",
         f"- Training: {cfg['steps']} steps of batch {cfg['batch_size']}, seed {cfg['seed']}"
         + (f", data-parallel over {cfg['devices']} devices" if cfg.get("devices", 1) > 1 else "")
@@ -322,6 +381,17 @@ def _markdown(results: dict, command: str | None) -> str:
     ]
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table_rows(results)]
     lines += ["", LEGEND]
+    sweep = results.get("length_sweep")
+    if sweep:
+        labels = {r["name"]: r["label"] for r in results["modes"]}
+        lines += ["", "## Gradient SQNR vs sequence length", "",
+                  f"Each mode's gradient vs the f32 gradient at the shared initial parameters, on "
+                  f"one batch of {sweep['batch_size']} sequences of each length (dB):", "",
+                  "| mode | " + " | ".join(f"T={n}" for n in sweep["lengths"]) + " |",
+                  "|---|" + "---:|" * len(sweep["lengths"])]
+        lines += ["| " + _md_cell(labels.get(name, name)) + " | "
+                  + " | ".join(_f(y, ".1f", "non-finite") for y in ys) + " |"
+                  for name, ys in sweep["sqnr_db"].items()]
     lines += ["", "## Conclusions (computed from the numbers above)", ""]
     lines += [f"- {c}" for c in results["conclusions"]]
     lines += [
@@ -329,8 +399,10 @@ def _markdown(results: dict, command: str | None) -> str:
         f"![loss curves]({PLOTS['loss']})", "",
         f"![gradient SQNR]({PLOTS['sqnr']})", "",
         f"![memory]({PLOTS['memory']})", "",
-        "## Modes", "",
     ]
+    if sweep:
+        lines += [f"![gradient SQNR vs sequence length]({PLOTS['length']})", ""]
+    lines += ["## Modes", ""]
     lines += [f"- **{r['label']}** (`{r['name']}`): {r['description']}"
               for r in results["modes"]]
     lines += [
@@ -383,7 +455,10 @@ def write_report(results: dict, out_dir: str | os.PathLike, command: str | None 
     out.mkdir(parents=True, exist_ok=True)
     results.setdefault("conclusions", conclusions(results))
     paths = []
-    for key, fn in (("loss", plot_losses), ("sqnr", plot_sqnr), ("memory", plot_memory)):
+    plots = [("loss", plot_losses), ("sqnr", plot_sqnr), ("memory", plot_memory)]
+    if results.get("length_sweep"):
+        plots.append(("length", plot_length_sweep))
+    for key, fn in plots:
         p = out / PLOTS[key]
         fn(results, p)
         paths.append(p)

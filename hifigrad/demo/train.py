@@ -41,12 +41,22 @@ from . import data as D
 from . import model as M
 from . import modes as MD
 
-__all__ = ["DemoConfig", "QUICK", "Reporter", "run", "saved_residual_bytes"]
+__all__ = ["DemoConfig", "QUICK", "RECURRENT", "RECURRENT_QUICK", "TASKS", "Reporter", "run",
+           "saved_residual_bytes"]
+
+
+TASKS = ("gpt", "recurrent")
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """Everything a demo run depends on."""
+    """Everything a demo run depends on.
+
+    ``task`` picks the model: ``"gpt"`` (`model`, the default) or ``"recurrent"`` (`recurrent`,
+    an LRU-style linear recurrence over the whole context; ``n_heads`` is unused there and
+    ``d_state`` is its state width). ``sweep_lengths``: sequence lengths at which every mode's
+    gradient SQNR vs f32 is also measured at the initial parameters (empty: no sweep).
+    """
 
     modes: tuple[str, ...] = MD.MODE_NAMES
     steps: int = 200
@@ -65,12 +75,20 @@ class DemoConfig:
     devices: int = 1
     # XLA's backend (LLVM) optimisation level on CPU: compile time is most of a short run there.
     cpu_opt_level: int = 1
+    task: str = "gpt"
+    d_state: int = 64
+    sweep_lengths: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(TASKS)}")
         for name in ("steps", "n_layers", "d_model", "n_heads", "seq_len", "batch_size",
-                     "eval_every", "val_batches", "corpus_bytes"):
+                     "eval_every", "val_batches", "corpus_bytes", "d_state"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for n in self.sweep_lengths:
+            if int(n) < 1:
+                raise ValueError(f"sweep lengths must be at least 1, got {n}")
         if not self.modes:
             raise ValueError("at least one mode is needed")
         for m in self.modes:
@@ -78,11 +96,20 @@ class DemoConfig:
         if self.devices < 1 or self.batch_size % self.devices:
             raise ValueError(f"batch_size={self.batch_size} is not divisible by "
                              f"devices={self.devices}")
-        if self.d_model % self.n_heads:
+        if self.sweep_lengths and self.task != "recurrent":
+            raise ValueError("sweep_lengths needs task='recurrent' (the GPT's positional table "
+                             "fixes its sequence length)")
+        if self.task == "gpt" and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
     @property
-    def model(self) -> M.ModelConfig:
+    def model(self):
+        """The model's shape: a `model.ModelConfig` or a `recurrent.RecurrentConfig`."""
+        if self.task == "recurrent":
+            from .recurrent import RecurrentConfig
+
+            return RecurrentConfig(n_layers=self.n_layers, d_model=self.d_model,
+                                   d_state=self.d_state, seq_len=self.seq_len)
         return M.ModelConfig(n_layers=self.n_layers, d_model=self.d_model,
                              n_heads=self.n_heads, seq_len=self.seq_len)
 
@@ -91,6 +118,18 @@ class DemoConfig:
 QUICK = DemoConfig(steps=30, n_layers=2, d_model=32, n_heads=2, seq_len=32, batch_size=8,
                    learning_rate=3e-3, warmup_steps=5, eval_every=10, val_batches=2,
                    corpus_bytes=1_000_000, cpu_opt_level=0)
+
+# The recurrent task (`hifigrad demo --task recurrent`): a context of 1024 bytes, the precision
+# modes (f32, bf16 and fp16, with jax.grad and with hifigrad), and the gradient SQNR at the
+# initial parameters against the sequence length.
+RECURRENT = DemoConfig(task="recurrent", modes=MD.PRECISION_MODE_NAMES, steps=100, n_layers=2,
+                       d_model=64, d_state=64, seq_len=1024, batch_size=4, warmup_steps=10,
+                       eval_every=20, val_batches=4, sweep_lengths=(128, 512, 2048))
+# Its quick version: context 256, 20 steps, the sweep at lengths 256 and 1024 only, and XLA's
+# CPU backend at optimisation level 0 (compiles are most of a short run).
+RECURRENT_QUICK = dataclasses.replace(
+    RECURRENT, steps=20, seq_len=256, eval_every=5, val_batches=2, warmup_steps=5,
+    corpus_bytes=1_000_000, sweep_lengths=(1024,), cpu_opt_level=0)
 
 
 class Reporter:
@@ -155,7 +194,7 @@ def _optimizer(cfg: DemoConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, min(cfg.warmup_steps, max(cfg.steps - 1, 1)),
         max(cfg.steps, 2), end_value=cfg.learning_rate / 10)
-    decay = {"tok_emb", "head", "qkv", "proj", "fc1", "fc2"}
+    decay = {"tok_emb", "head", "qkv", "proj", "fc1", "fc2", "in_proj", "gate", "out_proj"}
 
     def mask(params):
         return jax.tree_util.tree_map_with_path(
@@ -223,7 +262,8 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
     train_np = D.sample_batches(corpus.train, cfg.steps, cfg.batch_size, cfg.seq_len, cfg.seed)
     val_np = D.sample_batches(corpus.val, cfg.val_batches, cfg.batch_size, cfg.seq_len,
                               cfg.seed + 1)
-    params0 = M.init_params(cfg.seed, mcfg)
+    model = MD.model_module(mcfg)
+    params0 = model.init_params(cfg.seed, mcfg)
     put_batch = jnp.asarray
     if cfg.devices > 1:  # data parallel: batches split over a 1-D mesh, parameters replicated
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -245,7 +285,7 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
     compiles = _Compiler(cfg.cpu_opt_level)
     update_job = compiles.submit(_make_update(tx), params0, opt_state0, params0,
                                  jnp.asarray(True))
-    rows, jobs = [], {}
+    rows, jobs, built = [], {}, {}
     for name in dict.fromkeys(("f32", *cfg.modes)):
         mode = MD.get_mode(name)
         row = _base_row(mode)
@@ -271,6 +311,7 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
             _stop(row, "failed", e, rep)
             continue
         jobs[name] = (state0, job)
+        built[name] = fns
 
     rep.stage("compiling")
     update = compiles.result(update_job)[0]
@@ -302,6 +343,15 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         rep.mode_end(mode, row)
 
     _add_gaps(rows, cfg.steps)
+    sweep = None
+    if cfg.sweep_lengths:
+        rep.stage("gradient SQNR vs sequence length at the initial parameters (lengths "
+                  f"{', '.join(map(str, cfg.sweep_lengths))})")
+        at_seq_len = {name: vg for name, (vg, _) in compiled.items()}
+        at_seq_len["f32"] = ref_vg
+        sweep = _length_sweep(cfg, corpus, params0, rows, built,
+                              {name: state0 for name, (state0, _) in jobs.items()}, put_batch,
+                              at_seq_len, batch0)
     update_mem = update.memory_analysis()
     remat_bf16 = saved_residual_bytes(MD.remat_blocks_vjp(mcfg), params0, {},
                                       _block_input(cfg, MD.get_mode("bf16")))
@@ -309,14 +359,64 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         "config": dataclasses.asdict(cfg),
         "environment": _environment(),
         "corpus": corpus.describe(),
-        "n_params": M.n_params(params0),
+        "n_params": model.n_params(params0),
         "eval_steps": eval_steps,
         "modes": rows,
         "optimizer_temp_bytes": None if update_mem is None else int(
             update_mem.temp_size_in_bytes),
         "remat_bf16_block_residual_bytes": remat_bf16,
+        "length_sweep": sweep,
         "wall_s": time.perf_counter() - t_start,
     }
+
+
+def _length_sweep(cfg: DemoConfig, corpus, params0, rows, built, states, put_batch,
+                  at_seq_len, batch0) -> dict:
+    """Gradient SQNR vs f32 of every trained mode at the initial parameters, on one batch of
+    each length in ``cfg.sweep_lengths`` and of the training length (the recurrent model takes
+    any length).
+
+    At the training length the sweep reuses the compiled training programs (``at_seq_len``)
+    and the first training batch; other lengths get their own programs and one batch from the
+    training split with their own seed (``seed + 2``). A mode whose gradient is not finite (for
+    example a loss-scaled fp16 step that overflowed) gets None at that length.
+    """
+    names = [r["name"] for r in rows if r["status"] == "ok" and r["name"] != "f32"]
+    lengths = sorted({*cfg.sweep_lengths, cfg.seq_len})
+    compiles = _Compiler(cfg.cpu_opt_level)
+    jobs = {}
+    batches = {cfg.seq_len: batch0}
+    for n in lengths:
+        if n == cfg.seq_len:
+            continue
+        batches[n] = put_batch(D.sample_batches(corpus.train, 1, cfg.batch_size, n,
+                                                cfg.seed + 2)[0])
+        for name in ("f32", *names):
+            jobs[name, n] = compiles.submit(built[name].value_and_grad, params0, states[name],
+                                            batches[n])
+
+    def program(name, n):
+        return at_seq_len[name] if n == cfg.seq_len else compiles.result(jobs[name, n])[0]
+
+    out = {"lengths": lengths, "batch_size": cfg.batch_size,
+           "sqnr_db": {name: [] for name in names},
+           "lost_grad_frac": {name: [] for name in names}}
+    for n in lengths:
+        g_ref = _flat64(program("f32", n)(params0, states["f32"], batches[n])[1])
+        for name in names:
+            try:
+                vg = program(name, n)
+                _, grads, _, ok = vg(params0, states[name], batches[n])
+            except Exception:  # as in training: a failure is that mode's, not the run's
+                out["sqnr_db"][name].append(None)
+                out["lost_grad_frac"][name].append(None)
+                continue
+            g = _flat64(grads)
+            s = gradient_sqnr_db(g, g_ref) if bool(ok) else None
+            out["sqnr_db"][name].append(_finite_or_none(s))
+            out["lost_grad_frac"][name].append(float(np.mean((g == 0) & (g_ref != 0))))
+    compiles.close()
+    return out
 
 
 class _Compiler:
