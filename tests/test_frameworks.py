@@ -1,0 +1,36 @@
+"""docs/frameworks.md: every section's python blocks run as written (so the recipes cannot
+rot), and the page has the sections the README's feature table points to."""
+
+import pathlib
+import re
+
+import jax
+import pytest
+
+_DOC = pathlib.Path(__file__).parent.parent / "docs" / "frameworks.md"
+_SECTIONS = ["Flax linen", "Flax NNX", "Equinox", "dm-haiku", "Keras 3 (JAX backend)", "optax"]
+
+
+def _sections() -> dict[str, list[str]]:
+    """{section title: [python blocks]} for each `## ` section of the page."""
+    out: dict[str, list[str]] = {}
+    for part in re.split(r"^## ", _DOC.read_text(), flags=re.M)[1:]:
+        title, _, body = part.partition("\n")
+        out[title.strip()] = re.findall(r"```python\n(.*?)```", body, re.S)
+    return out
+
+
+def test_page_has_a_runnable_section_per_framework():
+    sections = _sections()
+    assert list(sections) == _SECTIONS
+    assert all(sections.values())
+
+
+@pytest.mark.parametrize("title", _SECTIONS)
+def test_recipe_runs(title):
+    namespace: dict = {}
+    # As a user runs them: JAX's default dtype and rank promotion (Flax, Haiku, Keras and
+    # optax mix dtypes and broadcast ranks implicitly), not the suite's strict modes.
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        for i, block in enumerate(_sections()[title]):
+            exec(compile(block, f"docs/frameworks.md [{title}, block {i}]", "exec"), namespace)
