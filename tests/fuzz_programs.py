@@ -8,9 +8,11 @@ low-precision comparison, each of DA/DB/DC a draw from bfloat16 / float16 / floa
 float8_e4m3fn (values are rounded through it). Because the program *is* its source, a failing
 example is printed as code that can be pasted into a regression test (see ``Program.__repr__``).
 
-Programs compose elementwise ops, matmuls / einsum / convolution, linear solves, FFTs (complex
-intermediates), pooling, reductions and cumulative ops,
-indexing (slices, gathers, scatters, dynamic slices), explicit broadcasting, casts between the
+Programs compose the ops of the public-API program table (`programs.OPS` in tests/programs.py:
+jnp, jax.nn, lax, lax.linalg, scipy.special, fft, image, segment ops, random samplers, sparse,
+sharding, refs; the "table" op), elementwise ops, matmuls / einsum / convolution, linear solves,
+FFTs (complex intermediates), pooling, reductions and cumulative ops, indexing (slices, gathers,
+scatters, dynamic slices), explicit broadcasting, casts between the
 dtype names, and nested ``lax.scan`` (with xs, length-only, reversed, unrolled, tuple and integer
 carries), ``lax.fori_loop`` with static bounds (reverse-differentiable: it lowers to a scan),
 ``lax.cond`` / ``lax.switch``, ``jax.checkpoint`` (with policies), ``jax.jit``, ``jax.vmap``,
@@ -26,6 +28,7 @@ not overflow and the gradients compared are meaningful numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import textwrap
 
@@ -35,6 +38,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from programs import OPS, XFAIL
 
 DTYPE_NAMES = ("DA", "DB", "DC")
 FACTORY_ARGS = (*DTYPE_NAMES, "D8")
@@ -79,7 +83,7 @@ def namespace() -> dict:
     import hifigrad as hg
 
     ns = {"jax": jax, "jnp": jnp, "lax": lax, "np": np, "W": W, "fit": fit, "F32": F32,
-          "checkpoint_name": checkpoint_name, "hg": hg}
+          "checkpoint_name": checkpoint_name, "hg": hg, "OPS": OPS}
     return ns
 
 
@@ -186,10 +190,32 @@ CKPT_POLICIES = [
 
 # Operation kinds, simplest first (hypothesis shrinks towards the start of the list).
 LEAF_OPS = ["unary", "binary", "reduce", "cast", "matmul", "structural", "index", "cumulative",
-            "scatter", "broadcast", "while_fwd", "pool", "linalg", "fft"]
+            "scatter", "broadcast", "while_fwd", "pool", "linalg", "fft", "table"]
 NEST_OPS = ["scan", "fori", "cond", "checkpoint", "custom_vjp", "custom_jvp", "jit", "vmap",
             "switch", "scan_len", "inner_grad", "hg_checkpoint", "hg_scan", "hg_precise"]
 CODECS = ["none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
+
+
+def _jax_version():
+    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def _known_failure(name) -> bool:
+    when = XFAIL[name][0] if name in XFAIL else None
+    return when is not None and any(when(_jax_version(), d, j) for d in ("bf16", "fp16")
+                                    for j in (False, True))
+
+
+# The ops of the public-API program table (tests/programs.py `OPS`) that are not marked as known
+# failures on this JAX version: the "table" leaf op draws from them.
+TABLE_OPS = tuple(n for n in sorted(OPS) if not _known_failure(n))
+
+
+@functools.cache
+def table_out_shape(name) -> tuple:
+    op = OPS[name]
+    out = jax.eval_shape(op.fn, *[jax.ShapeDtypeStruct(s, F32) for s in op.shapes])
+    return tuple(out.shape)
 
 
 class _Gen:
@@ -478,6 +504,18 @@ class _Gen:
                 f"{out.name} = jnp.linalg.solve({m} @ {m}.T * 0.25 + 2 * jnp.eye({n}, "
                 f"dtype=F32), {self.fit(b, (n,), 'F32')})"], [out]
 
+    def op_table(self, pool, depth, name=None):
+        """An op of the public-API program table (`programs.OPS`): its inputs fitted to the
+        op's shapes in one drawn dtype name, its output brought to rank <= 2 in that dtype."""
+        if name is None:
+            name = self.draw(st.sampled_from(TABLE_OPS))
+        op = OPS[name]
+        dt = self.dtname()
+        args = ", ".join(self.fit(self.pick(pool), s, dt) for s in op.shapes)
+        shape = table_out_shape(name)
+        out = V(self.name(), shape[-2:], dt)
+        return [f"{out.name} = fit(OPS[{name!r}].fn({args}), {out.shape!r}, {dt})"], [out]
+
     def op_fft(self, pool, depth):
         """Complex intermediates: an FFT round trip (complex64 values are never promoted)."""
         v = self.pick(pool, lambda v: v.ndim >= 1)
@@ -687,8 +725,9 @@ class _Gen:
 
 @st.composite
 def programs(draw, max_depth: int = 2, max_ops: int = 10, max_inputs: int = 3,
-             dtypes=None):
-    """A random `Program`. ``dtypes``: a fixed binding for DA/DB/DC, or drawn."""
+             dtypes=None, table_op=None):
+    """A random `Program`. ``dtypes``: a fixed binding for DA/DB/DC, or drawn. ``table_op``: a
+    name of `programs.OPS` that the program applies first (to its inputs)."""
     gen = _Gen(draw, max_depth, max_ops)
     n_in = draw(st.integers(1, max_inputs))
     inputs = []
@@ -699,7 +738,12 @@ def programs(draw, max_depth: int = 2, max_ops: int = 10, max_inputs: int = 3,
         inputs.append((shape, dt))
         params.append(V(f"x{i}", shape, dt))
     n_ops = draw(st.integers(1, max_ops))
-    lines, vals = gen.block(params, 0, n_ops)
+    lines, vals = [], []
+    if table_op is not None:
+        gen.n_ops += 1
+        lines, vals = gen.op_table(params, 0, name=table_op)
+    more_lines, more_vals = gen.block(params + vals, 0, n_ops)
+    lines, vals = lines + more_lines, vals + more_vals
     # The output: a weighted sum of the last value and, maybe, others (all inputs reach it
     # through some path when they are used; unused inputs get zero gradients).
     outs = [vals[-1]] if vals else [params[-1]]

@@ -629,4 +629,915 @@ def _():
     return f, _args(((4, 5), 81, 1.0))
 
 
-ALL = sorted(PROGRAMS)
+# The construct table above is what tests/test_rules.py checks (f32: hg.grad == jax.grad; bf16 and
+# fp16 against the f32 model). The public-API table below is what tests/test_census.py checks.
+ALL = CONSTRUCTS = sorted(PROGRAMS)
+
+# ---- the public-API table (census)
+
+# Small programs over JAX's public API (jax.numpy, jax.nn, jax.lax with lax.linalg and
+# lax.special, jax.scipy, jax.image, jax.ops, jax.random, jax.experimental.sparse, the sharding
+# API, refs). Most are *ops*: ``fn(*xs) -> array`` of float arrays in one dtype, registered in
+# `OPS` (the random-program fuzzer, tests/fuzz_programs.py, draws from it) and turned into the
+# program ``sum(fn(*xs) * weights)``. Each program's gradient is checked by test_census.py in
+# bf16 and fp16, eager and jitted, against jax.grad of the same program in f32 at the same
+# (up-cast) inputs, to a relative tolerance of ``TOLERANCE_FACTOR.get(name, 8) * eps(dtype)``.
+
+import dataclasses  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    fn: Callable        # float arrays (one dtype) -> a real float array
+    shapes: tuple       # the input shapes
+
+
+OPS: dict = {}
+API_NAMES: list = []
+# name -> factor of eps(dtype) in the tolerance, for programs worse conditioned than "a few
+# rounded ops per path" (default 8); each entry says why.
+TOLERANCE_FACTOR: dict = {}
+# The one place for known failures: name -> (predicate(jax_version, dtype_name, jit), reason).
+XFAIL: dict = {}
+
+
+def weights(shape):
+    """Deterministic non-uniform weights with no zeros (a permuted gradient would show)."""
+    n = int(np.prod(shape))
+    k = np.arange(n)
+    w = np.where(k % 2 == 0, 1.0, -1.0) * (0.5 + (k + 1) / (n + 1))
+    return jnp.asarray(w.reshape(shape), jnp.float32)
+
+
+def _weigh(y):
+    return jnp.sum(y.astype(jnp.float32) * weights(y.shape))
+
+
+def op(name, *shapes, scale=1.0, tol=None):
+    """Registers ``fn`` as an op and as the program ``sum(fn(*xs) * weights)``."""
+    def deco(fn):
+        seed = 1000 + 7 * len(API_NAMES)
+        OPS[name] = Op(fn, tuple(shapes))
+        PROGRAMS[name] = (lambda *xs: _weigh(fn(*xs)),
+                          _args(*[(s, seed + i, scale) for i, s in enumerate(shapes)]))
+        API_NAMES.append(name)
+        if tol is not None:
+            TOLERANCE_FACTOR[name] = tol
+        return fn
+    return deco
+
+
+def api_program(name, tol=None):
+    """A program that is not an op (it takes keys, integer or structured arguments)."""
+    def deco(fn):
+        PROGRAMS[name] = fn()
+        API_NAMES.append(name)
+        if tol is not None:
+            TOLERANCE_FACTOR[name] = tol
+        return fn
+    return deco
+
+
+def xfail(name, reason, when=lambda version, dtype, jit: True):
+    XFAIL[name] = (when, reason)
+
+
+def xfail_reason(name, version, dtype, jit):
+    """The reason `name` is expected to fail in this configuration, or None."""
+    if name not in XFAIL:
+        return None
+    when, reason = XFAIL[name]
+    return reason if when(version, dtype, jit) else None
+
+
+_F32 = jnp.float32
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def _f32(x):
+    return x.astype(_F32)
+
+
+def _spd(a):
+    """A well-conditioned symmetric positive definite matrix from `a` (eigenvalues >= 2)."""
+    n = a.shape[-1]
+    return a @ jnp.swapaxes(a, -1, -2) * (1.0 / n) + 2 * jnp.eye(n, dtype=a.dtype)
+
+
+# --------------------------------------------------------------------------- jnp elementwise
+
+@op("jnp_inverse_trig", (3, 4))
+def _(x):
+    t = 0.9 * jnp.tanh(x)
+    return jnp.arcsin(t) + jnp.arccos(t) * 0.5 + jnp.arctan(x)
+
+
+@op("jnp_hyperbolic", (3, 4))
+def _(x):
+    return (jnp.sinh(0.5 * x) + jnp.cosh(0.5 * x) + jnp.arcsinh(x)
+            + jnp.arccosh(1.5 + x * x) + jnp.arctanh(0.8 * jnp.tanh(x)))
+
+
+@op("jnp_tan", (3, 4))
+def _(x):
+    return jnp.tan(0.6 * jnp.tanh(x))
+
+
+@op("jnp_exp_log_family", (3, 4))
+def _(x):
+    p = 2 + jnp.sin(x)
+    return jnp.exp2(0.5 * x) + jnp.log2(p) + jnp.log10(p) + jnp.log(p) + jnp.exp(-x * x)
+
+
+@op("jnp_cbrt_sqrt_rsqrt", (3, 4))
+def _(x):
+    p = 1 + x * x
+    return jnp.cbrt(x + 3) + jnp.sqrt(p) + lax.rsqrt(p) + jnp.reciprocal(p)
+
+
+@op("jnp_rounding_sign", (3, 4))
+def _(x):
+    # Zero-gradient ops (floor, ceil, round, sign, trunc) next to a differentiable path.
+    return x * (jnp.floor(x) + jnp.ceil(x) + jnp.round(x) + jnp.sign(x) + jnp.trunc(x)) + x
+
+
+@op("jnp_isfinite_where", (3, 4))
+def _(x):
+    return jnp.where(jnp.isfinite(x), jnp.sin(x), 0.0) + jnp.where(jnp.isnan(x), 0.0, x * x)
+
+
+@op("jnp_square_abs_neg", (3, 4))
+def _(x):
+    return jnp.square(x) - jnp.abs(x) + jnp.negative(x) * jnp.positive(x)
+
+
+@op("lax_logistic", (3, 4))
+def _(x):
+    return lax.logistic(x) + jax.nn.sigmoid(2 * x)
+
+
+@op("jnp_pow_arrays", (3, 4), (3, 4))
+def _(x, y):
+    return (1.5 + jnp.sin(x)) ** jnp.cos(y) + jnp.power(2 + jnp.cos(y), 1.5)
+
+
+@op("jnp_arctan2_hypot", (3, 4), (3, 4))
+def _(x, y):
+    return jnp.arctan2(x, 2 + jnp.cos(y)) + jnp.hypot(x, 1 + y * y)
+
+
+@op("jnp_remainder_fmod", (3, 4))
+def _(x):
+    return jnp.remainder(3 * x, 0.7) + jnp.fmod(2 * x, 0.9) + lax.rem(x, 0.6 + 0 * x)
+
+
+@op("jnp_maximum_minimum_clip", (3, 4), (3, 4))
+def _(x, y):
+    return jnp.maximum(x, y) * 2 - jnp.minimum(x, y) + jnp.clip(x, y - 0.5, y + 0.5)
+
+
+@op("lax_clamp", (3, 4), (3, 4))
+def _(x, y):
+    lo, hi = jnp.asarray(-1.0, y.dtype), jnp.asarray(0.5, y.dtype)
+    return lax.clamp(-0.5 + 0 * x, x + 0.1 * y, 0.6 + 0 * x) + lax.clamp(lo, y, hi)
+
+
+@op("jnp_ldexp_frexp", (3, 4))
+def _(x):
+    m, e = jnp.frexp(1 + x * x)
+    return jnp.ldexp(x, 2) + m * x + e.astype(x.dtype)
+
+
+@op("jnp_nextafter_copysign", (3, 4))
+def _(x):
+    # jax 0.10 has no JVP for nextafter (differentiating through it raises in jax.grad too).
+    y = x if _JAX_VERSION >= (0, 12) else lax.stop_gradient(x)
+    return x * jnp.nextafter(y, jnp.zeros_like(x)) + jnp.copysign(x, -jnp.ones_like(x))
+
+
+@op("jnp_sinc_logaddexp", (3, 4), (3, 4))
+def _(x, y):
+    return jnp.sinc(x) + jnp.logaddexp(x, y) + jnp.logaddexp2(x, 0.5 * y)
+
+
+@op("lax_reduce_precision", (3, 4))
+def _(x):
+    return lax.reduce_precision(jnp.sin(x), exponent_bits=5, mantissa_bits=4) * x
+
+
+@op("complex_parts", (3, 4), (3, 4))
+def _(x, y):
+    z = lax.complex(_f32(x), _f32(y)) * (0.5 - 0.25j)
+    w = jnp.conj(z) * z + z * z
+    return (jnp.real(w) + jnp.imag(w) + jnp.abs(z) + jnp.angle(z + 2)).astype(x.dtype)
+
+
+@op("jnp_polyval", (4,), (5,), scale=0.5)
+def _(c, x):
+    return jnp.polyval(c, x) + jnp.polyval(c[:2], 0.5 * x)
+
+
+@op("jnp_polyadd_polymul_polyder", (3,), (4,), scale=0.5)
+def _(a, b):
+    return jnp.polyval(jnp.polymul(a, b) + jnp.polyadd(a, b)[0], 0.3) + jnp.polyder(b)
+
+
+# --------------------------------------------------------------------------- jnp structural
+
+@op("jnp_stack_unstack", (3, 4), (3, 4))
+def _(x, y):
+    s = jnp.stack([x, 2 * y, x * y])
+    a, b, c = jnp.unstack(s * 1.5, axis=0)
+    return jnp.sin(a) + b * c
+
+
+@op("array_unpacking", (2, 3, 4))
+def _(x):
+    a, b = x  # jax 0.12 emits `unstack` here
+    return jnp.tanh(a) * b
+
+
+@op("jnp_tile_repeat", (2, 3))
+def _(x):
+    return jnp.tile(x, (2, 2)) * 0.5 + jnp.repeat(x, 2, axis=1).reshape(4, 3).repeat(2, axis=1)
+
+
+@op("jnp_split_array_split", (4, 6))
+def _(x):
+    a, b, c = jnp.split(x, 3, axis=1)
+    d, e = jnp.array_split(x, 2, axis=0)
+    return a * b - c + jnp.concatenate([d, e], axis=0)[:, :2]
+
+
+@op("jnp_squeeze_expand_dims", (1, 4, 1))
+def _(x):
+    return jnp.expand_dims(jnp.squeeze(x) * 2, 0) + lax.squeeze(x, (2,)) ** 2
+
+
+@op("jnp_flip_roll_rot90", (3, 4))
+def _(x):
+    return jnp.flip(x, 1) * 2 + jnp.roll(x, 2, axis=1) * jnp.rot90(jnp.rot90(x))
+
+
+@op("jnp_diag_trace_tri", (4, 4))
+def _(x):
+    return jnp.diag(jnp.diag(x)) + jnp.tril(x) * 2 - jnp.triu(x, 1) + jnp.trace(x) * x + (
+        jnp.diagonal(x, 1).sum() * x)
+
+
+@op("jnp_outer_kron_cross", (3,), (3,))
+def _(x, y):
+    return jnp.outer(x, y) + jnp.kron(x[:2], y[:2]).reshape(2, 2)[0, 0] + jnp.cross(x, y)[None]
+
+
+@op("jnp_tensordot_inner_vdot", (3, 4), (4, 3))
+def _(x, y):
+    return (jnp.tensordot(x, y, axes=1) + jnp.inner(x[0], y[:, 0]) + jnp.vdot(x, y.T)
+            + jnp.dot(x, y) * 0.5)
+
+
+@op("jnp_einsum_three_operands", (2, 3), (3, 4), (4, 2))
+def _(a, b, c):
+    return jnp.einsum("ij,jk,kl->il", a, b, c, optimize="optimal") + jnp.diag(
+        jnp.einsum("ii->i", a @ b @ c))
+
+
+@op("jnp_matmul_batched", (2, 3, 4), (2, 4, 2))
+def _(a, b):
+    return jnp.matmul(a, b) + jnp.matmul(a, b, preferred_element_type=_F32).astype(a.dtype)
+
+
+@op("jnp_sort_argsort_take", (3, 5))
+def _(x):
+    i = jnp.argsort(x, axis=-1)
+    return jnp.sort(x, axis=0) + jnp.take_along_axis(x, i, axis=-1) * 2 + jnp.take(x, i[0], axis=1)
+
+
+@op("lax_sort_multiple_operands", (6,), (6,))
+def _(x, y):
+    k, v = lax.sort((x, y), num_keys=1)
+    return k * 2 + jnp.sin(v)
+
+
+@op("jnp_median_quantile", (4, 5))
+def _(x):
+    return jnp.median(x, axis=1) + jnp.quantile(x, 0.3, axis=1) + jnp.percentile(x, 70, axis=1)
+
+
+@op("jnp_nan_reductions", (3, 4))
+def _(x):
+    y = jnp.where(x > 1.5, jnp.nan, x)
+    return jnp.nansum(y, 0) + jnp.nanmean(y, 0) + jnp.nanmax(y, 0) + jnp.nanmin(y, 0)
+
+
+@op("jnp_std_ptp_average", (3, 4), (4,))
+def _(x, w):
+    return jnp.std(x, axis=1) + jnp.ptp(x, axis=1) + jnp.average(x, axis=1, weights=2 + jnp.sin(w))
+
+
+@op("jnp_argmin_argmax_index", (3, 5))
+def _(x):
+    i, j = jnp.argmin(x, axis=1), jnp.argmax(x, axis=1)
+    return jnp.take_along_axis(x, i[:, None], 1) - jnp.take_along_axis(x, j[:, None], 1) ** 2
+
+
+@op("lax_cummin_reverse_cumsum", (3, 5))
+def _(x):
+    return lax.cummin(x, axis=1) + lax.cumsum(x, axis=1, reverse=True) * 0.5 + lax.cumprod(
+        1 + 0.1 * x, axis=0)
+
+
+@op("jnp_diff_gradient_trapezoid", (6,))
+def _(x):
+    return jnp.diff(x, n=2) + jnp.gradient(x)[1:5] + jnp.trapezoid(x) + jnp.ediff1d(x)[:4]
+
+
+@op("jnp_any_all_count", (3, 4))
+def _(x):
+    m = jnp.any(x > 1.0, axis=1, keepdims=True) | jnp.all(x > -2.0, axis=1, keepdims=True)
+    return jnp.where(m, x, 2 * x) + jnp.count_nonzero(x > 0).astype(x.dtype) * x
+
+
+@op("lax_bitcast_convert_type", (3, 4))
+def _(x):
+    bits = {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize]
+    y = lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits), x.dtype)
+    return x * y
+
+
+@op("lax_select_n", (3, 4), (3, 4), (3, 4))
+def _(a, b, c):
+    which = jnp.asarray(np.arange(12).reshape(3, 4) % 3, jnp.int32)
+    return lax.select_n(which, a, b * 2, jnp.sin(c))
+
+
+@op("lax_approx_max_k", (3, 16))
+def _(x):
+    v, _ = lax.approx_max_k(x, 4)
+    return v ** 2
+
+
+@op("lax_reduce_variadic", (3, 4), (3, 4))
+def _(x, y):
+    def f(a, b):
+        return (a[0] + b[0], a[1] * b[1])
+    s, p = lax.reduce((x, 1 + 0.1 * y), (0.0 * x[0, 0], 1.0 + 0 * x[0, 0]), f, (1,))
+    return s * p
+
+
+@op("lax_reduce_window_variadic_min", (1, 6, 6, 2))
+def _(x):
+    mn = lax.reduce_window(x, jnp.inf, lax.min, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    s, m = lax.reduce_window((x, x * x), (0.0 * x.ravel()[0], 0.0 * x.ravel()[0]),
+                             lambda a, b: (a[0] + b[0], a[1] + b[1]), (1, 3, 3, 1),
+                             (1, 1, 1, 1), "VALID")
+    return mn.sum() + s * 0.1 + m * 0.1
+
+
+@op("lax_pad_interior_negative", (3, 4))
+def _(x):
+    return lax.pad(x, 0.5 + 0 * x[0, 0], ((1, -1, 1), (0, 2, 0))) ** 2
+
+
+@op("lax_dynamic_slice_traced_index", (5, 4))
+def _(x):
+    i = jnp.argmax(x[:, 0]) % 3
+    return lax.dynamic_slice(x, (i, 1), (2, 3)) * lax.dynamic_index_in_dim(x, i, keepdims=True)[
+        :, :3]
+
+
+@op("gather_fill_and_clip_modes", (5, 3))
+def _(x):
+    idx = jnp.array([0, 4, 7, -1])
+    return x.at[idx].get(mode="fill", fill_value=0.5) + x.at[idx].get(mode="clip") ** 2
+
+
+@op("scatter_mul_min_max_sub", (5, 3), (3, 3))
+def _(x, u):
+    idx = jnp.array([0, 2, 4])
+    a = x.at[idx].multiply(1 + 0.1 * u)
+    b = x.at[idx].min(u)
+    c = x.at[idx].max(u)
+    d = lax.scatter_sub(x, idx[:, None], u, lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)))
+    return a + b * 2 + c + d
+
+
+@op("jnp_broadcast_to_arrays", (4,), (3, 1))
+def _(x, y):
+    a, b = jnp.broadcast_arrays(x[None], y)
+    return jnp.broadcast_to(x, (3, 4)) * a + b
+
+
+@op("lax_optimization_barrier", (3, 4))
+def _(x):
+    y, z = lax.optimization_barrier((jnp.sin(x), x * 2))
+    return y * z
+
+
+@op("lax_stop_gradient_partial", (3, 4))
+def _(x):
+    return x * lax.stop_gradient(x) + jnp.sin(x)
+
+
+@op("jnp_copy_asarray", (3, 4))
+def _(x):
+    return jnp.copy(x) * jnp.array(x, copy=True) + jnp.asarray(x)
+
+
+@op("jnp_convolve_correlate", (8,), (3,))
+def _(x, k):
+    return jnp.convolve(x, k, mode="same") + jnp.correlate(x, k, mode="same")
+
+
+@op("lax_conv_transpose_grouped_dilated", (1, 6, 6, 4), (3, 3, 2, 4))
+def _(x, w):
+    y = lax.conv_general_dilated(x, w, (1, 1), "SAME", rhs_dilation=(2, 1),
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2)
+    z = lax.conv_transpose(x, w[:, :, :, :2].transpose(0, 1, 3, 2).reshape(3, 3, 2, 2)
+                           .repeat(2, axis=2), (2, 2), "SAME",
+                           dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y.sum() * 0.1 + z * 0.1
+
+
+@op("lax_ragged_dot", (6, 4), (2, 4, 3))
+def _(x, w):
+    return lax.ragged_dot(x, w, jnp.array([2, 4], jnp.int32))
+
+
+@op("lax_dot_general_batch_preferred", (2, 3, 4), (2, 4, 5))
+def _(a, b):
+    dn = (((2,), (1,)), ((0,), (0,)))
+    return lax.dot_general(a, b, dn, preferred_element_type=_F32) * 0.5 + lax.dot_general(
+        a, b, dn).astype(_F32)
+
+
+# --------------------------------------------------------------------------- linear algebra
+
+@op("linalg_cholesky_cho_solve", (4, 4), (4,), scale=0.5)
+def _(a, b):
+    import jax.scipy.linalg as jsl
+
+    m = _spd(_f32(a))
+    c = jnp.linalg.cholesky(m)
+    return c + jsl.cho_solve((c, True), _f32(b))[:, None]
+
+
+@op("linalg_qr", (4, 3), scale=0.5)
+def _(a):
+    a = _f32(a) + jnp.eye(4, 3)
+    q, r = jnp.linalg.qr(a)
+    return jnp.concatenate([r * jnp.sign(jnp.diag(r))[:, None], q @ r], axis=0)
+
+
+@op("linalg_svd_norms", (4, 3), scale=0.5)
+def _(a):
+    a = _f32(a) + jnp.asarray(np.diag([3.0, 2.0, 1.0]), _F32)[[0, 1, 2, 0]] * jnp.asarray(
+        [[1.0], [1.0], [1.0], [0.0]])
+    s = jnp.linalg.svd(a, compute_uv=False)
+    return s + jnp.linalg.norm(a, 2) + jnp.linalg.norm(a, "nuc") + jnp.linalg.norm(a, "fro")
+
+
+@op("linalg_svd_vectors_pinv", (3, 3), scale=0.3)
+def _(a):
+    a = _f32(a) + jnp.asarray(np.diag([3.0, 2.0, 1.0]), _F32)
+    u, s, vt = jnp.linalg.svd(a)
+    return (u * s) @ vt + jnp.linalg.pinv(a)
+
+
+@op("linalg_eigh", (4, 4), scale=0.3)
+def _(a):
+    m = _f32(a + a.T) + jnp.asarray(np.diag([1.0, 2.0, 3.0, 4.0]), _F32)
+    w, v = jnp.linalg.eigh(m)
+    return (v * w) @ v.T + jnp.linalg.eigvalsh(m)[None] + (v ** 2) @ jnp.diag(w)
+
+
+@op("linalg_eig_eigvals", (3, 3), scale=0.2)
+def _(a):
+    m = _f32(a) + jnp.asarray(np.diag([1.0, 2.0, 3.0]), _F32)
+    return jnp.real(jnp.linalg.eigvals(m)) ** 2
+
+
+@op("linalg_det_slogdet_inv", (3, 3), scale=0.3)
+def _(a):
+    m = _f32(a) + 2 * jnp.eye(3)
+    sign, logdet = jnp.linalg.slogdet(m)
+    return jnp.linalg.inv(m) + jnp.linalg.det(m) + sign * logdet
+
+
+@op("linalg_solve_lu", (3, 3), (3, 2), scale=0.3)
+def _(a, b):
+    import jax.scipy.linalg as jsl
+
+    m = _f32(a) + 2 * jnp.eye(3)
+    p, l, u = jsl.lu(m)
+    lu_piv = jsl.lu_factor(m)
+    return jnp.linalg.solve(m, _f32(b)) + jsl.lu_solve(lu_piv, _f32(b)) + (l @ u)[:, :2]
+
+
+@op("linalg_solve_triangular", (3, 3), (3, 2), scale=0.3)
+def _(a, b):
+    import jax.scipy.linalg as jsl
+
+    t = jnp.tril(_f32(a)) + 2 * jnp.eye(3)
+    return jsl.solve_triangular(t, _f32(b), lower=True) + lax.linalg.triangular_solve(
+        t, _f32(b).T, left_side=False, lower=True, transpose_a=True)
+
+
+@op("linalg_lstsq_matrix_power", (4, 3), (4,), scale=0.3)
+def _(a, b):
+    a = _f32(a) + jnp.eye(4, 3) * 2
+    x = jnp.linalg.lstsq(a, _f32(b))[0]
+    return x + jnp.linalg.matrix_power(a[:3] * 0.5, 3)[0] + jnp.linalg.multi_dot([a.T, a, x])
+
+
+@op("linalg_expm", (3, 3), scale=0.3)
+def _(a):
+    import jax.scipy.linalg as jsl
+
+    return jsl.expm(_f32(a))
+
+
+@op("lax_linalg_tridiagonal_solve", (3, 5), (5, 2), scale=0.3)
+def _(d, b):
+    d = _f32(d)
+    dl = d[0].at[0].set(0.0)
+    du = d[2].at[-1].set(0.0)
+    return lax.linalg.tridiagonal_solve(dl, 3 + d[1] ** 2, du, _f32(b))
+
+
+@op("lax_linalg_direct", (3, 3), scale=0.3)
+def _(a):
+    m = _spd(_f32(a))
+    c = lax.linalg.cholesky(m)
+    q, r = lax.linalg.qr(m)
+    v, w = lax.linalg.eigh(m)
+    return c + q @ r + (v * w) @ v.T
+
+
+# --------------------------------------------------------------------------- fft
+
+@op("jnp_fft_family", (4, 6))
+def _(x):
+    x = _f32(x)
+    f = jnp.fft.fft(x.astype(jnp.complex64))
+    r = jnp.fft.irfft(jnp.fft.rfft(x) * (0.5 + 0.25j), n=6)
+    f2 = jnp.fft.ifft2(jnp.fft.fft2(x) * 0.5)
+    fn = jnp.fft.rfftn(x)
+    return (jnp.real(f * jnp.conj(f)) * 0.1 + r + jnp.real(f2) + jnp.fft.hfft(x[:, :4], n=6)
+            * 0.1 + jnp.fft.fftshift(x) + jnp.abs(fn).sum() * 0.01)
+
+
+# --------------------------------------------------------------------------- jax.nn
+
+@op("nn_activations_a", (3, 5))
+def _(x):
+    n = jax.nn
+    return (n.relu6(3 * x) + n.hard_tanh(x) + n.leaky_relu(x, 0.1) + n.celu(x) + n.selu(x)
+            + n.log_sigmoid(x) + n.soft_sign(x) + n.hard_sigmoid(x) + n.hard_silu(x))
+
+
+@op("nn_activations_b", (3, 6))
+def _(x):
+    n = jax.nn
+    return (n.mish(x) + n.squareplus(x) + n.sparse_plus(x) + n.elu(x) + n.gelu(x, approximate=False)
+            + n.glu(x, axis=-1).repeat(2, axis=-1) + n.standardize(x, axis=-1)
+            + n.log_softmax(x, axis=0) + n.softmax(x, axis=0))
+
+
+@op("nn_dot_product_attention", (2, 4, 2, 8), (2, 5, 2, 8), (2, 5, 2, 8))
+def _(q, k, v):
+    a = jax.nn.dot_product_attention(q, k, v)
+    b = jax.nn.dot_product_attention(q, k, v, is_causal=True) if q.shape[1] == k.shape[1] else 0
+    return a + b
+
+
+@op("nn_one_hot_logsumexp_where", (3, 4))
+def _(x):
+    oh = jax.nn.one_hot(jnp.array([0, 3, 1]), 4, dtype=x.dtype)
+    return jax.nn.logsumexp(x, axis=1, where=oh < 1)[:, None] + oh * x
+
+
+# --------------------------------------------------------------------------- special functions
+
+@op("scipy_special_gamma_family", (3, 4))
+def _(x):
+    s = jax.scipy.special
+    p = 1.5 + x * x
+    return (s.gammaln(p) + s.digamma(p) + s.polygamma(1, p) + s.gamma(p) * 0.1
+            + s.betaln(p, 2 + 0 * p)
+            + s.multigammaln(p + 1, 2) * 0.1 + lax.lgamma(p) + lax.digamma(p))
+
+
+@op("scipy_special_incomplete", (3, 4))
+def _(x):
+    s = jax.scipy.special
+    a = 1.5 + jnp.sin(x)
+    z = 1.0 + jnp.cos(x) ** 2
+    t = 0.5 + 0.3 * jnp.tanh(x)
+    return (s.gammainc(a, z) + s.gammaincc(a, z) + s.betainc(a, 2.0 + 0 * a, t)
+            + lax.igamma(a, z) + lax.regularized_incomplete_beta(a, a, t))
+
+
+@op("scipy_special_erf_family", (3, 4))
+def _(x):
+    s = jax.scipy.special
+    t = 0.8 * jnp.tanh(x)
+    return (s.erf(x) + s.erfc(x) + s.erfinv(t) + lax.erf_inv(t) + s.ndtr(x) + s.ndtri(0.5 + 0.4 * t)
+            + s.log_ndtr(x))
+
+
+@op("scipy_special_bessel_xlogy", (3, 4))
+def _(x):
+    s = jax.scipy.special
+    p = 1 + x * x
+    return (s.i0e(x) + s.i1e(x) + s.i0(x) * 0.1 + s.i1(x) + lax.bessel_i0e(x) + s.xlogy(p, p)
+            + s.xlog1py(p, p) + s.entr(0.5 + 0.3 * jnp.tanh(x)) + s.logit(0.5 + 0.3 * jnp.tanh(x))
+            + s.expit(x) + s.zeta(2 + p, 1.0 + 0 * p) * 0.1)
+
+
+@op("scipy_special_logsumexp_softmax", (3, 4))
+def _(x):
+    s = jax.scipy.special
+    return s.logsumexp(x, axis=0) + s.softmax(x, axis=1) + s.log_softmax(x, axis=1)
+
+
+@op("scipy_stats_logpdfs", (3, 4))
+def _(x):
+    st = jax.scipy.stats
+    return (st.norm.logpdf(x, 0.5, 2.0) + st.norm.cdf(x) + st.t.logpdf(x, 3.0)
+            + st.gamma.logpdf(1 + x * x, 2.0) + st.beta.logpdf(0.5 + 0.3 * jnp.tanh(x), 2.0, 3.0)
+            + st.poisson.logpmf(3, 1 + x * x) + st.logistic.logpdf(x))
+
+
+# --------------------------------------------------------------------------- image, ops
+
+@op("image_resize_methods", (1, 4, 4, 2))
+def _(x):
+    r = jax.image.resize
+    return r(x, (1, 7, 6, 2), "linear") + r(x, (1, 7, 6, 2), "cubic") * 0.5
+
+
+@op("image_scale_and_translate", (4, 4))
+def _(x):
+    return jax.image.scale_and_translate(x, (6, 5), (0, 1), jnp.array([1.5, 1.25]),
+                                         jnp.array([0.2, -0.1]), "linear")
+
+
+@op("ops_segment_reductions", (6, 2))
+def _(x):
+    seg = jnp.array([0, 0, 1, 2, 2, 2])
+    o = jax.ops
+    return (o.segment_sum(x, seg, 3) + o.segment_max(x, seg, 3) + o.segment_min(x, seg, 3)
+            + o.segment_prod(1 + 0.1 * x, seg, 3))
+
+
+# --------------------------------------------------------------------------- random samplers
+# Reparameterized samplers: the sample is differentiated with respect to the distribution's
+# parameters (implicit reparameterization for gamma, beta and dirichlet). The key is fixed.
+
+def _key(i=0):
+    return jax.random.key(i)
+
+
+@op("random_gamma_reparam", (6,))
+def _(a):
+    alpha = 1.5 + a * a
+    return jax.random.gamma(_key(1), alpha) + jax.random.loggamma(_key(2), alpha) * 0.1
+
+
+@op("random_beta_dirichlet_reparam", (4,), (3,))
+def _(a, b):
+    pa, pb = 1.5 + a * a, 2 + jnp.sin(a)
+    d = jax.random.dirichlet(_key(3), 1.5 + b * b, shape=(2,))
+    return jax.random.beta(_key(4), pa, pb) + d.sum(0).repeat(2)[:4] * 0.5
+
+
+@op("random_location_scale", (5,), (5,))
+def _(mu, s):
+    return (mu + jnp.exp(0.3 * s) * jax.random.normal(_key(5), mu.shape, mu.dtype)
+            + jax.random.truncated_normal(_key(6), -1.0, 1.0, mu.shape, mu.dtype) * s
+            + jax.random.uniform(_key(7), mu.shape, mu.dtype) * mu
+            + jax.random.split(_key(8), 2).shape[0] * s
+            + jax.random.bits(jax.random.fold_in(_key(9), 3), mu.shape, jnp.uint8)[0] * 0 * s)
+
+
+# --------------------------------------------------------------------------- sparse
+
+@op("sparse_bcoo_matmul_todense", (4, 5), (5, 3))
+def _(a, w):
+    from jax.experimental import sparse
+
+    m = sparse.BCOO.fromdense(a * (jnp.abs(a) > 0.3))
+    return m @ w + (m.T @ a.T @ w).T.sum(0) * 0.1 + m.todense()[:, :3] * 2
+
+
+@op("sparse_bcoo_ops", (4, 4), (4, 4))
+def _(a, b):
+    from jax.experimental import sparse
+
+    m = sparse.BCOO.fromdense(a * (jnp.abs(a) > 0.3))
+    mm = sparse.bcoo_sum_duplicates(sparse.bcoo_sort_indices(m))
+    ext = sparse.bcoo_extract(mm.indices, b)
+    sampled = sparse.bcoo_dot_general_sampled(
+        a, b, mm.indices, dimension_numbers=(((1,), (0,)), ((), ())))
+    return sparse.todense(ext) + sparse.bcoo_todense(sampled) + (mm @ mm).todense() * 0.5
+
+
+@op("sparse_bcsr_and_sparsify", (4, 5), (5, 3))
+def _(a, w):
+    from jax.experimental import sparse
+
+    m = sparse.BCSR.fromdense(a * (jnp.abs(a) > 0.3))
+    f = sparse.sparsify(lambda m, w: jnp.sin(1.0) * (m @ w))
+    return m @ w + f(sparse.BCOO.fromdense(a), w) + m.todense()[:, :3]
+
+
+@op("sparse_legacy_coo_csr", (4, 4), (4,))
+def _(a, v):
+    from jax.experimental import sparse
+
+    d = a * (jnp.abs(a) > 0.3)
+    c = sparse.COO.fromdense(d)
+    r = sparse.CSR.fromdense(d)
+    return (c @ v)[:, None] + (r @ v)[:, None] + c.todense() + r.todense() + (c @ a) * 0.5
+
+
+# --------------------------------------------------------------------------- transforms, calls
+
+@op("lax_custom_root", (3,))
+def _(b):
+    b = _f32(b)
+
+    def f(x):
+        return x * x * x + x - b
+
+    def solve(f, x0):
+        def body(_, x):
+            return x - f(x) / (3 * x * x + 1)
+        return lax.fori_loop(0, 12, body, x0)
+
+    def tangent_solve(g, y):
+        return y / g(1.0)
+
+    return lax.custom_root(f, jnp.zeros_like(b), solve, tangent_solve)
+
+
+@op("custom_derivatives_linear_call", (3, 4))
+def _(x):
+    from jax.custom_derivatives import linear_call
+
+    def fwd(s, v):
+        return v * s
+
+    def bwd(s, ct):
+        return ct * s
+
+    return jnp.sin(linear_call(fwd, bwd, 2.0, x)) + x
+
+
+@op("debug_callback_and_print", (3, 4))
+def _(x):
+    jax.debug.callback(lambda v: None, x)
+    return jnp.sin(x)
+
+
+@op("checkpoint_name_and_remat_policies", (3, 4), (4, 4), scale=0.5)
+def _(x, w):
+    from jax.ad_checkpoint import checkpoint_name
+
+    def blk(x):
+        return jnp.tanh(checkpoint_name(x @ w, "h")) * 2
+
+    pol = jax.checkpoint_policies.save_any_names_but_these("h")
+    return jax.checkpoint(blk, policy=pol, prevent_cse=False)(x) + jax.remat(blk)(x)
+
+
+@op("compute_on_host", (3, 4))
+def _(x):
+    from jax.experimental.compute_on import compute_on
+
+    @compute_on("device_host")
+    @jax.jit
+    def g(v):
+        return v * 2
+
+    return g(jnp.sin(x))
+
+
+@op("jax_device_put_in_jit", (3, 4))
+def _(x):
+    return jax.device_put(jnp.sin(x), jax.devices()[0]) * x
+
+
+# --------------------------------------------------------------------------- refs
+
+@op("mutable_refs", (3, 4), (3, 4))
+def _(x, y):
+    r = jax.new_ref(jnp.zeros_like(x))
+    r[...] = jnp.sin(x)
+    r[...] += y * 2
+    old = r.swap(x * y) if hasattr(r, "swap") else r[...]
+    return old + r[...] + jax.freeze(r) * 0.5
+
+
+# --------------------------------------------------------------------------- sharding API
+# On a one-device mesh (the test process has one CPU device): the primitives, their JVP and
+# transpose rules are those of any mesh size; tests/test_distributed.py covers real meshes.
+
+def _explicit_mesh():
+    from jax.sharding import AxisType
+
+    return jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
+
+
+@op("shard_map_reductions", (4, 3), (3, 3), scale=0.5)
+def _(x, w):
+    from jax.sharding import PartitionSpec as P
+
+    def local(x, w):
+        y = jnp.tanh(x @ w)
+        s = lax.psum(y, "d") + lax.pmean(y, "d") + lax.pmax(y, "d") * 0.5 + lax.pmin(y, "d")
+        return s * (lax.axis_index("d") + 1).astype(y.dtype)
+
+    return _shard_map(local, _mesh(), (P("d"), P()), P("d"))(x, w)
+
+
+@op("shard_map_gathers_scatters", (4, 3), scale=0.5)
+def _(x):
+    from jax.sharding import PartitionSpec as P
+
+    def local(x):
+        g = lax.all_gather(x, "d", tiled=True)
+        r = lax.psum_scatter(x * 2, "d", tiled=True)
+        a = lax.all_to_all(x[None], "d", 0, 0, tiled=True)[0]
+        p = lax.ppermute(x, "d", perm=[(0, 0)])
+        return g * 2 + r + a * p
+
+    return _shard_map(local, _mesh(), (P("d"),), P("d"))(x)
+
+
+@op("shard_map_all_gather_invarying", (4, 3), scale=0.5)
+def _(x):
+    from jax.sharding import PartitionSpec as P
+
+    def local(x):
+        return lax.all_gather(jnp.sin(x), "d", tiled=True, to="invarying") * 2
+
+    return _shard_map(local, _mesh(), (P("d"),), P())(x)
+
+
+@op("shard_map_pvary_pcast", (4, 3), scale=0.5)
+def _(x):
+    from jax.sharding import PartitionSpec as P
+
+    def local(x, c):
+        return x * lax.pcast(jnp.sin(c), "d", to="varying")
+
+    return _shard_map(local, _mesh(), (P("d"), P()), P("d"))(x, x[:1])
+
+
+@op("shard_map_ragged_all_to_all", (4, 3), scale=0.5)
+def _(x):
+    from jax.sharding import PartitionSpec as P
+
+    def local(x):
+        z = jnp.zeros_like(x)
+        o = jnp.array([0], jnp.int32)
+        n = jnp.array([x.shape[0]], jnp.int32)
+        return lax.ragged_all_to_all(jnp.sin(x), z, o, n, o, n, axis_name="d") * 2
+
+    return _shard_map(local, _mesh(), (P("d"),), P("d"))(x)
+
+
+@op("sharding_explicit_mesh_reshard_auto_axes", (4, 3), scale=0.5)
+def _(x):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _explicit_mesh()
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        y = jax.sharding.reshard(jnp.sin(x), NamedSharding(mesh, P("d")))
+        z = jax.sharding.auto_axes(lambda v: jnp.tanh(v) * 2, out_sharding=P("d"))(y)
+        e = jax.sharding.explicit_axes(lambda v: v * v, in_sharding=P("d"))(z)
+        return y * z + e
+
+
+@op("sharding_layout_constraint", (4, 3))
+def _(x):
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(jnp.sin(x), Layout((1, 0))) * x
+
+
+@op("sharding_shard_alike", (4, 3), (4, 3))
+def _(x, y):
+    from jax.experimental.shard_alike import shard_alike
+
+    a, b = shard_alike(jnp.sin(x), y * 2)
+    return a * b
+
+
+API = sorted(API_NAMES)
+EVERY = sorted(PROGRAMS)

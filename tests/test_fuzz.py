@@ -232,8 +232,40 @@ def test_generator_is_deterministic_and_covers_the_constructs():
                       "lax.while_loop", "@", "preferred_element_type", ".at[", "reduce_window",
                       "jnp.linalg.solve", "astype(F32) for c in vjp(g)", "reverse=True",
                       "unroll=2", "length=", "jnp.argmax", "astype(D8)", "checkpoint_name",
-                      "jnp.fft.rfft", "jnp.fft.fft"]:
+                      "jnp.fft.rfft", "jnp.fft.fft", "OPS["]:
         assert construct in text, construct
+
+
+def test_fuzzer_draws_from_the_program_table():
+    """The "table" leaf op draws every op of tests/programs.py's public-API table that is not a
+    known failure on this JAX version, and a program built around one contains it."""
+    import programs
+
+    assert set(fp.TABLE_OPS) == {n for n in programs.OPS if not fp._known_failure(n)}
+    assert len(fp.TABLE_OPS) >= 80
+    seen = []
+
+    @settings(max_examples=3, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fp.programs(table_op="jnp_stack_unstack"))
+    def collect(p):
+        seen.append(p.source)
+
+    collect()
+    assert seen and all("OPS['jnp_stack_unstack']" in src for src in seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", fp.TABLE_OPS)
+def test_fuzz_every_table_op(name):
+    """Each table op inside random programs (low precision vs a float64 backward), so that the
+    fuzzer exercises every primitive the census covers."""
+    @_settings(2)
+    @given(prog=fp.programs(table_op=name, max_ops=4), jit=_JIT)
+    def run(prog, jit):
+        _low_property(prog, jit, "forward", False)
+
+    run()
 
 
 # ------------------------------------------------------------------------------ regressions

@@ -1,0 +1,324 @@
+"""A census of JAX's differentiable primitives, and the public-API program table under hg.grad.
+
+1. **Census.** Every primitive the installed JAX registers with a JVP, linearization or transpose
+   rule (`hifigrad._src.compat.differentiable_primitives`, over the namespaces in
+   `CENSUS_MODULES`, enumerated in a fresh process so that what other tests imported does not
+   matter) must be *covered* by a program of `tests/programs.py` or listed in `NOT_COVERED` with
+   the reason it cannot carry a cotangent here. A primitive a new JAX adds fails the test and
+   names itself; so does an entry of `NOT_COVERED` that a program covers, or that no longer
+   exists on either supported JAX version.
+
+   A program covers a primitive when differentiating it runs that primitive's JVP rule on a
+   tangent, or its backward binds it: the primitive is in the JVP jaxpr of the program on a value
+   that depends on a differentiated input (a forward data-flow over the jaxpr; an equation with
+   sub-jaxprs taints all of them when any input is tainted), or anywhere in the jaxpr of its VJP
+   (the transposed program). Sub-jaxprs are found generically in equation params.
+
+2. **Numerics.** Each public-API program runs through `hg.grad` with bf16 and fp16 inputs, eager
+   and jitted. Its gradients must be float32 and finite, and match `jax.grad` of the same program
+   in float32 at the same inputs (up-cast). The forward rounds to the low dtype in both (hg keeps
+   the forward as written; the reference does not round at all), so the error is the forward's:
+   each op rounds to eps/2 relative, and these programs chain a handful of ops on any path, so
+   the normwise relative error of the gradient is bounded by ``8 * eps(dtype)`` (bf16: 0.0625,
+   fp16: 0.0078). Programs conditioned worse than that declare a factor, with a reason, in
+   `programs.TOLERANCE_FACTOR`. Known failures are listed in one place, `programs.XFAIL`
+   (strict: a program that starts passing fails until its mark is dropped).
+
+The construct programs (control flow, custom rules, models) are checked by tests/test_rules.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from programs import API, EVERY, PROGRAMS, TOLERANCE_FACTOR, xfail_reason
+
+import hifigrad as hg
+from hifigrad._src import compat
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VERSION = compat.JAX_VERSION
+
+# The namespaces surveyed: JAX's public API that registers differentiable primitives.
+CENSUS_MODULES = (
+    "jax", "jax.numpy", "jax.nn", "jax.lax", "jax.lax.linalg", "jax.scipy.special",
+    "jax.scipy.linalg", "jax.scipy.stats", "jax.image", "jax.random", "jax.ops",
+    "jax.experimental.sparse", "jax.experimental.shard_map", "jax.experimental.layout",
+    "jax.experimental.shard_alike", "jax.experimental.compute_on", "jax.experimental.pallas",
+    "jax.experimental.multihost_utils", "jax.experimental.fused",
+    "jax.experimental.scheduling_groups", "jax.experimental.buffer_callback",
+    "jax.experimental.custom_partitioning", "jax.experimental.checkify",
+)
+
+_INTEGER = "integer/bool-only: its values have no tangent (float0), so no cotangent reaches it"
+_KEYS = "PRNG key bits and key data: integer-valued, no tangent (float0)"
+_PALLAS = ("only inside a Pallas kernel (jax.experimental.pallas), which is lowered for TPU/GPU;"
+           " not reachable from a CPU program")
+_HIJAX = ("jax.experimental.hijax internals (boxes, logs, hi primitives); exists only inside "
+          "JAX's own transforms of hijax types")
+_STATE_INTERNAL = ("internal to JAX's state discharge and ref AD (run_state); the public ref "
+                   "API (jax.new_ref, get/swap/addupdate) is covered by 'mutable_refs'")
+_VMA = ("internal varying-manual-axes cast of shard_map's type system, emitted only by JAX's own "
+        "rewrites of unreduced/reduced shardings (not by public collectives on this JAX)")
+_MULTIHOST = ("jax.experimental.multihost_utils: converts between host-local and global arrays "
+              "across processes; needs a multi-process runtime (tests/test_distributed.py)")
+
+# The one place for primitives no program covers: name -> why it cannot carry a cotangent here.
+NOT_COVERED = {
+    # integer / bool values
+    "and": _INTEGER, "or": _INTEGER, "not": _INTEGER, "xor": _INTEGER,
+    "shift_left": _INTEGER, "shift_right_arithmetic": _INTEGER,
+    "shift_right_logical": _INTEGER, "mulhi": _INTEGER, "reduce_or": _INTEGER,
+    "eq_to": "integer comparison of iteration bounds emitted by JAX's own loop lowering",
+    "le_to": "integer comparison of iteration bounds emitted by JAX's own loop lowering",
+    "lt_to": "integer comparison of iteration bounds emitted by JAX's own loop lowering",
+    # PRNG keys
+    "random_bits": _KEYS, "random_fold_in": _KEYS, "random_seed": _KEYS, "random_split": _KEYS,
+    "random_unwrap": _KEYS, "random_wrap": _KEYS,
+    "from_edtype": "extended-dtype (PRNG key) representation change; integer-valued",
+    "to_edtype": "extended-dtype (PRNG key) representation change; integer-valued",
+    # Pallas kernels
+    "pallas_call": _PALLAS, "masked_load": _PALLAS, "masked_swap": _PALLAS, "check": _PALLAS,
+    "mpmd_map": _PALLAS, "get_global": _PALLAS, "xla_metadata_value": _PALLAS,
+    # hijax
+    "box_get": _HIJAX, "box_set": _HIJAX, "new_box": _HIJAX, "log_extend": _HIJAX,
+    "log_read": _HIJAX, "new_log": _HIJAX, "call_hi_primitive_linearized": _HIJAX,
+    # state internals
+    "run_state": _STATE_INTERNAL, "empty_ref": _STATE_INTERNAL, "free_ref": _STATE_INTERNAL,
+    "accum_grad_in_ref": _STATE_INTERNAL,
+    # shard_map type-system casts
+    "reduced_vary_cast": _VMA, "reduced_vary_cast_p": _VMA, "vary_unreduced_cast": _VMA,
+    "vary_unreduced_cast_p": _VMA, "unreduced_psum": _VMA, "unreduced_reduce_scatter": _VMA,
+    "all_gather_reduced": _VMA, "preduced": _VMA, "pbroadcast_dynamic": _VMA,
+    # multi-process
+    "host_local_array_to_global_array": _MULTIHOST, "global_array_to_host_local_array": _MULTIHOST,
+    "custom_vmap_call": ("jax.custom_batching.custom_vmap has a JVP but no reverse mode: jax.grad "
+                         "raises 'Linearization failed to produce known values'"),
+    "composite": ("lax.composite: JAX's JVP rule raises 'JVP rule for composite not "
+                  "implemented' (jax.grad fails too; wrap it in a custom_jvp)"),
+    # callbacks and foreign code
+    "io_callback": ("JAX defines no JVP for io_callback (an effectful host call); "
+                    "differentiating through it raises in jax.grad too"),
+    "ffi_call": ("a foreign (XLA FFI) custom call: needs a compiled handler registered with "
+                 "jax.ffi; JAX differentiates it only through a user's custom_jvp/vjp"),
+    "buffer_callback": ("jax.experimental.buffer_callback: a host/device buffer callback with no "
+                        "JVP in JAX (raises under jax.grad)"),
+}
+
+
+# ------------------------------------------------------------------------------ enumeration
+
+_ENUMERATE = """
+import importlib, json, sys
+for m in sys.argv[1:]:
+    try:
+        importlib.import_module(m)
+    except Exception:  # a namespace this JAX version lacks or cannot import here
+        pass
+from hifigrad._src import compat
+print("CENSUS " + json.dumps(sorted(compat.differentiable_primitives())))
+"""
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """The differentiable primitives of JAX's surveyed namespaces (a fresh process)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _ENUMERATE, *CENSUS_MODULES], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CENSUS ")][-1]
+    return set(json.loads(line[len("CENSUS "):]))
+
+
+# ------------------------------------------------------------------------------ coverage
+
+def _sub_jaxprs(params):
+    """Every jaxpr held in an equation's params (generically: any value with `eqns`, or with a
+    `jaxpr` that has them, also inside tuples, lists and dicts)."""
+    stack = list(params.values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif hasattr(v, "eqns"):
+            yield v
+        elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+            yield v.jaxpr
+
+
+def _inexact(var) -> bool:
+    dt = getattr(getattr(var, "aval", None), "dtype", None)
+    try:
+        return dt is not None and jnp.issubdtype(dt, jnp.inexact)
+    except TypeError:
+        return False
+
+
+def _tainted_prims(jaxpr, tainted_invars, out: set):
+    """Primitives of `jaxpr` applied to a value that depends on a tainted input."""
+    tainted = {v for v, t in zip(jaxpr.invars, tainted_invars) if t}
+    for eqn in jaxpr.eqns:
+        hit = any(not compat.is_literal(v) and v in tainted for v in eqn.invars)
+        if not hit:
+            continue
+        out.add(eqn.primitive.name)
+        for sub in _sub_jaxprs(eqn.params):
+            _tainted_prims(sub, [True] * len(sub.invars), out)
+        if eqn.primitive.name != "stop_gradient":
+            tainted.update(v for v in eqn.outvars if _inexact(v))
+    return out
+
+
+def _floating_leaf(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _diff_split(args):
+    """(differentiated leaves, a function of them rebuilding all args)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    idx = [i for i, x in enumerate(leaves) if _floating_leaf(x)]
+
+    def rebuild(diff):
+        full = list(leaves)
+        for i, d in zip(idx, diff):
+            full[i] = d
+        return jax.tree_util.tree_unflatten(tree, full)
+    return [leaves[i] for i in idx], rebuild
+
+
+def covered_by(name) -> set:
+    """The primitives a program's differentiation exercises (see the module docstring)."""
+    fun, make = PROGRAMS[name]
+    diff, rebuild = _diff_split(make(jnp.float32))
+
+    def g(*d):
+        return fun(*rebuild(d))
+
+    def jvp(primals, tangents):
+        return jax.jvp(g, primals, tangents)
+
+    closed = jax.make_jaxpr(jvp)(diff, diff)
+    jaxpr, _ = compat.jaxpr_and_consts(closed)
+    prims = _tainted_prims(jaxpr, [True] * len(jaxpr.invars), set())
+    out = jax.eval_shape(g, *diff)
+
+    def backward(d, ct):
+        return jax.vjp(g, *d)[1](ct)
+
+    closed = jax.make_jaxpr(backward)(diff, jnp.ones(out.shape, out.dtype))
+    bwd, _ = compat.jaxpr_and_consts(closed)
+    return _tainted_prims(bwd, [True] * len(bwd.invars), prims)
+
+
+@pytest.fixture(scope="module")
+def coverage():
+    cov = {}
+    for name in EVERY:
+        with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+            for p in covered_by(name):
+                cov.setdefault(p, []).append(name)
+    return cov
+
+
+def test_every_registered_primitive_is_covered_or_excused(registered, coverage, capsys):
+    uncovered = sorted(p for p in registered if p not in coverage and p not in NOT_COVERED)
+    excused_but_covered = sorted(p for p in NOT_COVERED if p in coverage and p in registered)
+    n_cov = len([p for p in registered if p in coverage])
+    n_exc = len([p for p in registered if p in NOT_COVERED and p not in coverage])
+    with capsys.disabled():
+        print(f"\n[hifigrad census] jax {jax.__version__}: {len(registered)} differentiable "
+              f"primitives; {n_cov} covered by {len(EVERY)} programs; {n_exc} listed in "
+              f"NOT_COVERED; uncovered: {uncovered}")
+    assert not uncovered, (
+        f"primitives registered by jax {jax.__version__} that no program in tests/programs.py "
+        f"exercises: {uncovered}. Add a program that differentiates through each, or list it in "
+        f"NOT_COVERED (tests/test_census.py) with the reason it cannot carry a cotangent.")
+    assert not excused_but_covered, (
+        f"{excused_but_covered} are listed in NOT_COVERED but covered by "
+        f"{ {p: coverage[p] for p in excused_but_covered} }: drop them from NOT_COVERED.")
+
+
+def test_not_covered_names_exist(registered):
+    """Every NOT_COVERED entry names a primitive of this JAX, or of the other supported one
+    (the list is shared by both versions)."""
+    other_version_only = {
+        (0, 10): {"reduced_vary_cast", "vary_unreduced_cast", "pbroadcast_dynamic",
+                  "get_global", "xla_metadata_value"},
+        (0, 12): {"box_get", "box_set", "new_box", "log_extend", "log_read", "new_log",
+                  "reduced_vary_cast_p", "vary_unreduced_cast_p", "mpmd_map"},
+    }[VERSION[:2]] if VERSION[:2] in ((0, 10), (0, 12)) else set(NOT_COVERED)
+    stale = sorted(set(NOT_COVERED) - registered - other_version_only)
+    assert not stale, f"NOT_COVERED lists primitives this JAX does not register: {stale}"
+
+
+def test_table_is_large_enough():
+    assert len(EVERY) >= 150, len(EVERY)
+
+
+# ------------------------------------------------------------------------------ numerics
+
+_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def _params():
+    """Every (program, dtype, eager/jit). The default run checks each program once, jitted, in
+    bf16 or fp16 (alternating along the table, so both dtypes run on half the programs); the
+    three other combinations of each program are marked slow (`pytest -m slow`)."""
+    out = []
+    for i, name in enumerate(API):
+        default = ("bf16", "fp16")[i % 2]
+        for dname in _DTYPES:
+            for jit in (True, False):
+                reason = xfail_reason(name, VERSION, dname, jit)
+                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                if not (jit and dname == default):
+                    marks.append(pytest.mark.slow)
+                out.append(pytest.param(name, dname, jit, marks=marks,
+                                        id=f"{name}-{dname}-{'jit' if jit else 'eager'}"))
+    return out
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(name, dname, low_args):
+    """jax.grad of the program in float32 at the low-precision inputs, up-cast (cached)."""
+    key = (name, dname)
+    if key not in _REFERENCE:
+        fun, _ = PROGRAMS[name]
+        diff, rebuild = _diff_split(low_args)
+        up = [jnp.asarray(d, jnp.float32) for d in diff]
+        ref = jax.jit(jax.grad(lambda *d: fun(*rebuild(d)), argnums=tuple(range(len(up)))))
+        _REFERENCE[key] = [np.asarray(g, np.float64) for g in ref(*up)]
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize(("name", "dname", "jit"), _params())
+def test_api_program_low_precision(name, dname, jit):
+    fun, make = PROGRAMS[name]
+    dtype = _DTYPES[dname]
+    args = make(dtype)
+    diff, rebuild = _diff_split(args)
+    want = _reference(name, dname, args)
+    grad = hg.grad(lambda *d: fun(*rebuild(d)), argnums=tuple(range(len(diff))))
+    got = (jax.jit(grad) if jit else grad)(*diff)
+    for g in got:
+        assert g.dtype == jnp.float32, g.dtype
+        assert np.all(np.isfinite(np.asarray(g)))
+    g = np.concatenate([np.asarray(x, np.float64).ravel() for x in got])
+    w = np.concatenate([x.ravel() for x in want])
+    tol = TOLERANCE_FACTOR.get(name, 8) * float(jnp.finfo(dtype).eps)
+    err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
+    assert err <= tol, f"normwise relative error {err:.3g} > {tol:.3g} vs f32 jax.grad"
