@@ -67,16 +67,27 @@ def _maybe_filter_jit(maybe_jit):
 @pytest.mark.parametrize("kind", ["filter_grad", "filter_value_and_grad"])
 def test_f32_equals_equinox(maybe_jit, kind):
     """At float32: the same gradient pytree as equinox's (None for the function, string, int,
-    integer-array and static fields), bitwise the same values, and the same new BatchNorm
-    state (returned as aux)."""
+    integer-array and static fields) with the same values, and bitwise the same loss and new
+    BatchNorm state (returned as aux)."""
     jit = _maybe_filter_jit(maybe_jit)
     model, state = _make()
     ref = jit(getattr(eqx, kind)(_loss, has_aux=True))(model, state, _x())
     got = jit(getattr(hg.equinox, kind)(_loss, has_aux=True))(model, state, _x())
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
-    for a, b in zip(_arrays(ref), _arrays(got)):
+    if kind == "filter_grad":  # (grads, new state)
+        (g_ref, fwd_ref), (g, fwd) = ref, got
+    else:  # ((loss, new state), grads)
+        (fwd_ref, g_ref), (fwd, g) = ref, got
+    for a, b in zip(_arrays(fwd_ref), _arrays(fwd)):  # forward values: bitwise
         np.testing.assert_array_equal(a, b)
-    g = got[0] if kind == "filter_grad" else got[1]
+    # Same forward, float32 backward: equal up to the order of float32 sums (at most 6 * 8
+    # terms per element here, of the order of the largest gradient entry: 64 eps32 of that
+    # bounds a reordering). Measured: bitwise under jit, 1e-5 relative on a near-cancelling
+    # element eagerly (jax 0.12).
+    scale = max(float(np.max(np.abs(a))) for a in _arrays(g_ref))
+    for a, b in zip(_arrays(g_ref), _arrays(g)):
+        assert b.dtype == np.float32
+        np.testing.assert_allclose(b, a, rtol=0, atol=64 * np.finfo(np.float32).eps * scale)
     assert g.act is None and g.name is None and g.depth is None and g.steps is None
     assert g.lin1.weight.shape == (8, 4)
 

@@ -176,6 +176,21 @@ def _flat_state(tree):
     return out
 
 
+def _assert_f32_grads_match(ref: dict, got: dict):
+    """float32 gradients from the same forward: equal up to the order of float32 sums. Each
+    element sums at most 6 * 8 = 48 terms here, of the order of the largest gradient entry,
+    and reordering such a sum moves it by at most ~48 eps32 of its largest term: 64 eps32 of
+    the largest gradient entry bounds that. (The Linear bias's gradient is zero up to rounding:
+    BatchNorm removes the mean.) Measured: bitwise under jit; eagerly on jax 0.12, 1e-5
+    relative on a near-cancelling element and sign flips of the bias's 4e-9 rounding noise."""
+    assert ref.keys() == got.keys()
+    scale = max(float(np.max(np.abs(v))) for v in ref.values())
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype == np.float32, k
+        np.testing.assert_allclose(got[k], ref[k], rtol=0,
+                                   atol=64 * np.finfo(np.float32).eps * scale, err_msg=k)
+
+
 def _assert_same_state(model_a, model_b):
     from flax import nnx
 
@@ -206,8 +221,8 @@ def _global_rel_err(got: dict, ref: dict) -> float:
                                       ("value_and_grad", True)],
                          ids=["eager-grad", "eager-value_and_grad", "jit-value_and_grad"])
 def test_nnx_grad_f32_equals_nnx_grad(kind, jit):
-    """At float32 hg.flax.grad is nnx.grad: bitwise equal gradients (an nnx.State) and loss,
-    and after two steps the same module state (BatchNorm statistics, the dropout stream's RNG
+    """At float32 hg.flax.grad is nnx.grad: the same gradients (an nnx.State), bitwise the same
+    loss and aux, and after two steps bitwise the same module state (BatchNorm statistics, the dropout stream's RNG
     count, the user Variable). has_aux is exercised by both."""
     from flax import nnx
 
@@ -225,11 +240,11 @@ def test_nnx_grad_f32_equals_nnx_grad(kind, jit):
         ((loss_ref, aux_ref), g_ref), ((loss_hg, aux_hg), g_hg) = out_ref, out_hg
         np.testing.assert_array_equal(loss_ref, loss_hg)
     assert isinstance(g_hg, nnx.State)
-    for ref, got in ((g_ref, g_hg), (aux_ref, aux_hg)):
-        a, b = _flat_state(ref), _flat_state(got)
-        assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    _assert_f32_grads_match(_flat_state(g_ref), _flat_state(g_hg))
+    a, b = _flat_state(aux_ref), _flat_state(aux_hg)  # forward values: bitwise
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     _assert_same_state(m_ref, m_hg)
     assert int(m_hg.calls[...]) == 2 and int(m_hg.drop.rngs.count[...]) == 2
 
@@ -269,7 +284,7 @@ def test_nnx_grad_bf16_f32_grads_and_same_updates(nnx_maybe_jit):
 @pytest.mark.parametrize("argnums", ["lora", "lora_and_x", "bn_params"])
 def test_nnx_diffstate_filters_select_the_same_leaves(argnums):
     """nnx.DiffState filters and argnums select the same leaves as under nnx.grad, with the
-    same (float32: bitwise) gradients, and the rest of the state is updated the same way."""
+    same gradients, and the rest of the state is updated the same way."""
     from flax import nnx
 
     spec = {"lora": nnx.DiffState(0, nnx.LoRAParam),
@@ -281,9 +296,8 @@ def test_nnx_diffstate_filters_select_the_same_leaves(argnums):
         g_ref, _ = nnx.grad(_nnx_loss, argnums=spec, has_aux=True)(m_ref, x)
         g_hg, _ = hg.flax.grad(_nnx_loss, argnums=spec, has_aux=True)(m_hg, x)
     a, b = _flat_state(g_ref), _flat_state(g_hg)
-    assert a.keys() == b.keys() and len(a) >= 2
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert len(a) >= 2
+    _assert_f32_grads_match(a, b)
     _assert_same_state(m_ref, m_hg)
 
 
