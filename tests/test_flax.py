@@ -200,14 +200,6 @@ def _assert_same_state(model_a, model_b):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-@pytest.fixture
-def nnx_maybe_jit(maybe_jit):
-    """`maybe_jit` for NNX: `nnx.jit` (which propagates state updates) in the jit case."""
-    from flax import nnx
-
-    return nnx.jit if maybe_jit is jax.jit else (lambda f: f)
-
-
 def _global_rel_err(got: dict, ref: dict) -> float:
     keys = sorted(ref)
     g = np.concatenate([got[k].astype(np.float64).ravel() for k in keys])
@@ -222,8 +214,8 @@ def _global_rel_err(got: dict, ref: dict) -> float:
                          ids=["eager-grad", "eager-value_and_grad", "jit-value_and_grad"])
 def test_nnx_grad_f32_equals_nnx_grad(kind, jit):
     """At float32 hg.flax.grad is nnx.grad: the same gradients (an nnx.State), bitwise the same
-    loss and aux, and after two steps bitwise the same module state (BatchNorm statistics, the dropout stream's RNG
-    count, the user Variable). has_aux is exercised by both."""
+    loss and aux, and after two steps bitwise the same module state (BatchNorm statistics, the
+    dropout stream's RNG count, the user Variable). has_aux is exercised by both."""
     from flax import nnx
 
     nnx_maybe_jit = nnx.jit if jit else (lambda f: f)
@@ -249,13 +241,17 @@ def test_nnx_grad_f32_equals_nnx_grad(kind, jit):
     assert int(m_hg.calls[...]) == 2 and int(m_hg.drop.rngs.count[...]) == 2
 
 
-def test_nnx_grad_bf16_f32_grads_and_same_updates(nnx_maybe_jit):
+# Eagerly, each bf16 op of the three models compiles on its own: ~15 s here (slow suite).
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow, id="eager"),
+                                 pytest.param(True, id="jit")])
+def test_nnx_grad_bf16_f32_grads_and_same_updates(jit):
     """A bf16 model: hg.flax.value_and_grad returns float32 gradients, the same loss (the forward
     is unchanged) and leaves the same module state as nnx.value_and_grad. The reference for the
     gradients is nnx.value_and_grad of the same model in float32 end to end (same bf16-rounded
     parameters and input, same dropout mask)."""
     from flax import nnx
 
+    nnx_maybe_jit = nnx.jit if jit else (lambda f: f)
     ref_fn = nnx_maybe_jit(nnx.value_and_grad(_nnx_loss, has_aux=True))
     hg_fn = nnx_maybe_jit(hg.flax.value_and_grad(_nnx_loss, has_aux=True))
     m_ref, m_hg, m32 = (_nnx_net(jnp.bfloat16) for _ in range(3))
