@@ -27,8 +27,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
+
+try:
+    import equinox as eqx
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "hifigrad.equinox needs Equinox, an optional dependency: pip install "
+        "'hifigrad[equinox]' (or pip install equinox).") from e
 
 from ._src.api import value_and_grad as _hg_value_and_grad
 from ._src.policy import Policy, resolve_policy
