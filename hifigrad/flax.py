@@ -311,6 +311,11 @@ def _nnx_grad_general(f, *, argnums, has_aux, holomorphic, allow_int, graph, gra
     import dataclasses
     from collections import deque
 
+    try:
+        import flax.nnx  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("hg.flax.grad / value_and_grad need Flax, an optional dependency: "
+                          "pip install 'hifigrad[flax]' (or pip install flax).") from e
     from flax.nnx import extract, graphlib, variablelib
     from flax.nnx.transforms.autodiff import DiffState, GradFn, SimpleGradFn
     from flax.nnx.transforms.transforms import (
