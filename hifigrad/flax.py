@@ -42,7 +42,7 @@ from typing import Any
 import jax
 from jax.tree_util import tree_flatten, tree_leaves
 
-from ._src.checkpoint import _check_save, _is_float, _run
+from ._src.checkpoint import check_save, checkpoint_call, is_float_array
 from ._src.codecs import get_codec
 from ._src.policy import Policy, resolve_policy
 
@@ -71,8 +71,8 @@ def _encoded_remat(fn: Callable, codec, policy: Policy, save: str):
         full = (variable_groups, rng_groups, *args)
         n_fixed = len(tree_leaves((variable_groups, rng_groups)))
         flat, in_tree = tree_flatten(full)
-        encode = [i >= n_fixed and _is_float(x) for i, x in enumerate(flat)]
-        return _run(f, flat, in_tree, encode, codec, policy, save)
+        encode = [i >= n_fixed and is_float_array(x) for i, x in enumerate(flat)]
+        return checkpoint_call(f, flat, in_tree, encode, codec, policy, save)
 
     return lift.pack(inner, (True,), (True,), (True,), name="hg_checkpoint")
 
@@ -123,7 +123,7 @@ def remat_scan(target, lengths: Sequence[int] | None = (), policy: Policy | None
 
     codec = get_codec(codec)
     policy = _check_policy(policy)
-    save = _check_save(save)
+    save = check_save(save)
     if not lengths:
         raise ValueError("remat_scan needs at least one loop length, e.g. lengths=(12,).")
     return transforms.lift_transform(

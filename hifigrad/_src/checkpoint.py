@@ -60,13 +60,20 @@ __all__ = ["checkpoint", "scan"]
 _SAVE = ("inputs", "residuals")
 
 
-def _check_save(save: str) -> str:
+# The adapter API: what framework adapters (`hifigrad.flax`, ...) build on. `check_save`,
+# `is_float_array` and `checkpoint_call` are stable names within hifigrad; the rest of this
+# module is private to it.
+
+
+def check_save(save: str) -> str:
+    """Returns `save` if it is a valid ``save=`` mode, else raises a ValueError naming them."""
     if save not in _SAVE:
         raise ValueError(f"save must be one of {_SAVE}; got {save!r}.")
     return save
 
 
-def _is_float(x) -> bool:
+def is_float_array(x) -> bool:
+    """Whether `x` (an array or scalar) has a floating-point dtype: what a codec may encode."""
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
@@ -395,7 +402,7 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
     """
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
-    save = _check_save(save)
+    save = check_save(save)
 
     @functools.wraps(fun)
     def wrapped(*args):
@@ -403,13 +410,27 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
             _check_encodable(x)
         flat, in_tree = tree_flatten(args)
         flat = [jnp.asarray(x) for x in flat]
-        encode = [_is_float(x) for x in flat]
-        return _run(fun, flat, in_tree, encode, codec, policy, save)
+        encode = [is_float_array(x) for x in flat]
+        return checkpoint_call(fun, flat, in_tree, encode, codec, policy, save)
 
     return wrapped
 
 
-def _run(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None):
+def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None):
+    """Calls ``fun(*tree_unflatten(in_tree, flat))`` as a compressed checkpoint.
+
+    Args:
+      fun: the function; values it closes over are hoisted and saved as they are.
+      flat: its arguments, flattened (JAX arrays).
+      in_tree: their treedef.
+      encode: one bool per leaf of `flat`: whether that input is saved encoded (a float
+        activation) or as it is (parameters, integer inputs).
+      codec: a `Codec`; policy: a resolved `Policy`; save: a `check_save`-d mode.
+      state: a delayed-scaling codec's state, or None.
+
+    Returns:
+      `fun`'s output pytree.
+    """
     fun_flat, box = _flat_closure(fun, flat, in_tree)
     converted, consts = jax.closure_convert(fun_flat, *flat)
     out = _encoded_call(converted, codec, policy, encode, flat, consts, save, state)
@@ -469,7 +490,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     """
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
-    save = _check_save(save)
+    save = check_save(save)
     _check_codec_state(codec, codec_state, save, "hifigrad.scan")
     for x in jax.tree_util.tree_leaves(init, is_leaf=lambda v: isinstance(v, Encoded)):
         _check_encodable(x)
@@ -479,8 +500,8 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         flat, in_tree = tree_flatten(args)
         flat = [jnp.asarray(a) for a in flat]
         n_carry = len(tree_flatten(carry)[0])
-        encode = [i < n_carry and _is_float(a) for i, a in enumerate(flat)]
-        out = _run(f, flat, in_tree, encode, codec, policy, save, codec_state)
+        encode = [i < n_carry and is_float_array(a) for i, a in enumerate(flat)]
+        out = checkpoint_call(f, flat, in_tree, encode, codec, policy, save, codec_state)
         if codec_state is None:
             return out
         encoded = [a for a, e in zip(flat, encode) if e]
