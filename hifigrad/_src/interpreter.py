@@ -160,11 +160,7 @@ class Interpreter:
             prim = eqn.primitive
             if any(inflags) or prim in table.always:
                 rule = table.rules.get(prim, table.default)
-                if not eqn.outvars and any(inflags) and prim not in table.rules:
-                    # Effect-only (no outputs): no cotangent leaves it, so running it at its
-                    # declared dtypes changes no gradient.
-                    outs, oflags = self.fallback(eqn, invals, inflags)
-                elif rule is None:
+                if rule is None:
                     if not any(inflags):
                         outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
                     else:
@@ -219,8 +215,12 @@ class Interpreter:
     # ---------------------------------------------------------------- unsupported primitives
     def unsupported(self, eqn, invals, inflags, why: str):
         """A cotangent reaches `eqn`, which cannot run promoted (`why` says why): raises under
-        ``Policy(unsupported='error')``, else runs it at its own dtype and warns once."""
+        ``Policy(unsupported='error')``, else runs it at its own dtype and warns once. An
+        effect-only equation (no outputs) just runs at its declared dtypes: no cotangent leaves
+        it, so that changes no gradient."""
         name = eqn.primitive.name
+        if not eqn.outvars:
+            return self.fallback(eqn, invals, inflags)
         if self.policy.unsupported == "error":
             raise UnsupportedPrimitiveError(
                 f"hifigrad cannot run the primitive '{name}' in {self.policy.tangent_dtype} "

@@ -22,7 +22,9 @@ reaches, in order:
    - when that evidence is missing, the **fallback** runs the primitive at its own dtype with
      casts at its edges and warns once (`PrecisionFallbackWarning`); with
      ``Policy(unsupported='error')`` it raises `UnsupportedPrimitiveError` instead.
-   A primitive with no outputs (an effect) runs at its declared dtypes: no cotangent leaves it.
+   A primitive with no outputs (an effect such as `debug_callback`) is re-bound promoted when
+   the evidence allows (a `jax.debug.print` of a cotangent prints its f32 value), else at its
+   declared dtypes, with no warning: no cotangent leaves it.
 
 Mutable refs a program creates (`jax.new_ref`) are discharged into pure values before the
 program reaches this table (`api.py`). Every rule runs in its equation's context (mesh, compute
