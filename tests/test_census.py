@@ -23,7 +23,9 @@
    the normwise relative error of the gradient is bounded by ``8 * eps(dtype)`` (bf16: 0.0625,
    fp16: 0.0078). Programs conditioned worse than that declare a factor, with a reason, in
    `programs.TOLERANCE_FACTOR`. Known failures are listed in one place, `programs.XFAIL`
-   (strict: a program that starts passing fails until its mark is dropped).
+   (strict: a program that starts passing fails until its mark is dropped). The default run
+   checks one combination per program (jitted; bf16 and fp16 alternate along the table); all four
+   run with ``-m slow``.
 
 The construct programs (control flow, custom rules, models) are checked by tests/test_rules.py.
 """
@@ -40,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from programs import API, CONTEXT, EVERY, PROGRAMS, TOLERANCE_FACTOR, TRACE_ONLY, xfail_reason
+from programs import (API, CONTEXT, EVERY, HEAVY, PROGRAMS, TOLERANCE_FACTOR, TRACE_ONLY,
+                      xfail_reason)
 
 import hifigrad as hg
 from hifigrad._src import compat
@@ -317,7 +320,8 @@ _DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 def _params():
     """Every (program, dtype, eager/jit). The default run checks each program once, jitted, in
     bf16 or fp16 (alternating along the table, so both dtypes run on half the programs); the
-    three other combinations of each program are marked slow (`pytest -m slow`)."""
+    three other combinations of each program, and all four of the few `programs.HEAVY` ones, are
+    marked slow (`pytest -m slow`)."""
     out = []
     for i, name in enumerate(API):
         default = ("bf16", "fp16")[i % 2]
@@ -325,7 +329,7 @@ def _params():
             for jit in (True, False):
                 reason = xfail_reason(name, VERSION, dname, jit)
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                if not (jit and dname == default):
+                if not (jit and dname == default) or name in HEAVY:
                     marks.append(pytest.mark.slow)
                 out.append(pytest.param(name, dname, jit, marks=marks,
                                         id=f"{name}-{dname}-{'jit' if jit else 'eager'}"))
