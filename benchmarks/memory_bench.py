@@ -281,18 +281,18 @@ def plot(rows, budget, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(12, 6))
     styles = {"remat": "-", "hg.scan residuals": ":", "hg.scan": "--", "seed": "-."}
+    colors = plt.get_cmap("tab20").colors
     for i, r in enumerate(rows):
         pts = sorted((int(b), t) for b, t in r["probes"].items())
         if not pts:
             continue
         style = next(v for k, v in styles.items() if r["name"].startswith(k))
         b, t = zip(*pts)
-        ax.plot(b, np.array(t) / MiB, style, marker="o", ms=3, color=f"C{i % 10}",
+        ax.plot(b, np.array(t) / MiB, style, marker="o", ms=3, color=colors[i % len(colors)],
                 label=f"{r['name']} (max batch {r.get('max_batch', '-')})")
-    ax.axhline(budget / MiB, color="k", lw=1)
-    ax.text(ax.get_xlim()[0], budget / MiB, f" budget {budget / MiB:.0f} MiB", va="bottom")
+    ax.axhline(budget / MiB, color="k", lw=1, label=f"budget {budget / MiB:g} MiB")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("batch")
@@ -300,7 +300,7 @@ def plot(rows, budget, path):
     ax.set_title("Peak temp of jit(grad(loss)) vs batch: 64 pre-LN GELU-MLP blocks, d=256, "
                  "hidden 1024 (CPU)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6.5, loc="upper left", ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -322,6 +322,8 @@ def main(argv=None):
     ap.add_argument("--plot-batches", default="256",
                     help="extra batches compiled for the plot (comma-separated; '' for none)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
+    ap.add_argument("--replot", default="", metavar="JSON",
+                    help="only redraw the plot from a results JSON this script wrote")
     ap.add_argument("--variants", default="",
                     help="comma-separated subset of the variants (default: all); the "
                          f"reference {REF!r} is always included")
@@ -331,6 +333,14 @@ def main(argv=None):
                                                    "memory_peak_vs_batch.png"),
                     help="where the plot goes ('' for no plot)")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+
+        with open(args.replot) as fh:
+            saved = json.load(fh)
+        plot(saved["rows"], int(saved["config"]["budget_mib"] * MiB), args.plot)
+        print(f"wrote {args.plot}")
+        return
     t_start = time.perf_counter()
     env = env_info([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
     budget = int(args.budget_mib * MiB)
