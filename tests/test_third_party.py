@@ -115,17 +115,27 @@ XFAIL: dict[str, str] = {
 FILTERS = {"qwix_dense": "ignore:'VariableState' was removed:DeprecationWarning"}
 
 
+# A diffrax solve takes several seconds of compile time per gradient (three per case).
+SLOW = {"diffrax_recursive_checkpoint", "diffrax_direct", "diffrax_backsolve"}
+
+
 def _params():
     for name in CASES:
         marks = [pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL else []
         if name in FILTERS:
             marks.append(pytest.mark.filterwarnings(FILTERS[name]))
+        if name in SLOW:
+            marks.append(pytest.mark.slow)
         yield pytest.param(name, id=name, marks=marks)
 
 
+# Eager `hg.grad` of a whole model dispatches (and compiles) op by op: about as long again as
+# the jitted run, so the eager runs are in the slow suite.
 @pytest.mark.parametrize("name", list(_params()))
-def test_third_party_model(name, maybe_jit):
-    check_case(name, maybe_jit)
+@pytest.mark.parametrize("jit", [pytest.param(False, id="eager", marks=pytest.mark.slow),
+                                 pytest.param(True, id="jit")])
+def test_third_party_model(name, jit):
+    check_case(name, jax.jit if jit else (lambda f: f))
 
 
 # ----------------------------------------------------------------------------- item 4
@@ -182,3 +192,28 @@ def test_keras_import_leaves_jax_config_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- the SQNR table
+
+def main(names):
+    """Prints each case's gradient SQNR against the f32 reference, jitted, as a markdown table:
+    ``python tests/test_third_party.py [case ...]``."""
+    # As conftest: bf16 numerics that do not depend on fusion (set before the backend starts).
+    if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_allow_excess_precision=false").strip()
+    print(f"jax {jax.__version__}, Python {sys.version.split()[0]}\n")
+    print("| case | jax.grad bf16 SQNR (dB) | hg.grad bf16 SQNR (dB) | hg - jax (dB) |")
+    print("|---|---:|---:|---:|")
+    for name in names or CASES:
+        with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+            try:
+                s_hg, s_jax = check_case(name, jax.jit, margin_db=float("inf"))
+                print(f"| {name} | {s_jax:.1f} | {s_hg:.1f} | {s_hg - s_jax:+.1f} |", flush=True)
+            except Exception as e:  # noqa: BLE001  (a table row per case, failures included)
+                print(f"| {name} | fails: {type(e).__name__} | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
