@@ -119,6 +119,7 @@ def test_recurrent_quick_run_writes_report_results_and_plots(recurrent):
     assert "## Gradient SQNR vs sequence length" in report and "| T=64 | T=256 |" in report
     assert any(c.startswith("Gradient SQNR vs f32 at the initial parameters")
                for c in results["conclusions"])
+    assert sum(c.startswith("Loss curves at this size") for c in results["conclusions"]) == 1
 
 
 def test_recurrent_length_sweep_is_measured_against_f32(recurrent):

@@ -30,6 +30,9 @@ LEGEND = (
     "compile time of the gradient program."
 )
 
+# Mean |Δloss| vs f32 (nats) above which a run's loss curves are said to separate.
+LOSS_SEPARATION = 0.01
+
 PLOTS = {"loss": "loss_curves.png", "sqnr": "grad_sqnr.png", "memory": "memory.png",
          "length": "sqnr_vs_length.png"}
 
@@ -198,6 +201,20 @@ def _sweep_conclusions(results: dict) -> list[str]:
     lengths = sweep["lengths"]
     labels = {r["name"]: r["label"] for r in results["modes"]}
     out = []
+    gaps = [r for r in _ok(results) if _num(r.get("mean_abs_gap")) is not None]
+    ref = _by_name(results).get("f32")
+    if gaps and ref is not None and _num(ref.get("final_loss")) is not None:
+        worst = max(gaps, key=lambda r: r["mean_abs_gap"])
+        verb = "do not separate" if worst["mean_abs_gap"] < LOSS_SEPARATION else "separate"
+        out.append(
+            f"Loss curves at this size {verb}: the largest mean |Δloss| vs f32 is "
+            f"{worst['mean_abs_gap']:.3g} ({worst['label']}, "
+            f"{100 * worst['mean_abs_gap'] / ref['final_loss']:.2g}% of f32's final loss; "
+            f"the threshold is {LOSS_SEPARATION} nats), so the gradient SQNR against the "
+            f"sequence length shows the gap instead." if verb == "do not separate" else
+            f"Loss curves at this size {verb}: the largest mean |Δloss| vs f32 is "
+            f"{worst['mean_abs_gap']:.3g} ({worst['label']}; threshold {LOSS_SEPARATION} "
+            f"nats).")
     trend = []
     for name, ys in sweep["sqnr_db"].items():
         pts = [(n, y) for n, y in zip(lengths, ys) if _num(y) is not None]
