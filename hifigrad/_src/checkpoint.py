@@ -155,8 +155,8 @@ _ELEMENTWISE = frozenset("""
     abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
     copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
-    one_minus_square or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh
-    xor broadcast_in_dim reshape squeeze expand_dims transpose
+    one_minus_square or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt
+    square sub tan tanh xor broadcast_in_dim reshape squeeze expand_dims transpose
     """.split())
 
 
