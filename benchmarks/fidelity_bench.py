@@ -116,8 +116,8 @@ def resnet_row(args) -> Row:
 
     params = {"stem": conv_w(3, widths[0]), "blocks": []}
     cin = widths[0]
-    for i, w in enumerate(widths):
-        for j in range(2):
+    for w in widths:
+        for _ in range(2):
             blk = {"c1": conv_w(cin, w), "s1": jnp.ones((w,)), "b1": jnp.zeros((w,)),
                    "c2": conv_w(w, w), "s2": jnp.ones((w,)), "b2": jnp.zeros((w,))}
             if cin != w:

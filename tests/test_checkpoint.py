@@ -299,7 +299,7 @@ def test_float_codec_gradients_bitwise_as_float_storage(name, maybe_jit):
     ws, x = _setup()
     codec = hg.get_codec(name)
     for save in ("inputs", "residuals"):
-        def grad(c):
+        def grad(c, save=save):
             return maybe_jit(jax.grad(lambda w: jnp.sum(
                 hg.scan(body, x, w, codec=c, save=save)[0] ** 2)))(ws)
         np.testing.assert_array_equal(grad(codec), grad(_FloatStored(codec)))

@@ -219,7 +219,7 @@ def _sweep_conclusions(results: dict) -> list[str]:
     for name, ys in sweep["sqnr_db"].items():
         pts = [(n, y) for n, y in zip(lengths, ys) if _num(y) is not None]
         if len(pts) >= 2:
-            (n0, y0), (n1, y1) = pts[0], pts[-1]
+            (_, y0), (_, y1) = pts[0], pts[-1]
             trend.append(f"{labels.get(name, name)} {y0:.1f} → {y1:.1f} dB ({y1 - y0:+.1f})")
     if trend:
         out.append(f"Gradient SQNR vs f32 at the initial parameters, sequence length "
