@@ -19,12 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import third_party_models as tpm
 
 import hifigrad as hg
 
-import third_party_models as tpm
-
-JAX_012 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 BF16 = jnp.bfloat16
 
 
@@ -58,7 +56,7 @@ def _grad(grad_fn, case, wrap):
     return g[0] if case.has_aux else g
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _references(name):
     """The bf16 case and its two `jax.grad` gradients (f32 reference, bf16), shared by the eager
     and the jitted run of a case."""
@@ -97,20 +95,6 @@ CASES = {
     "qwix_dense": tpm.qwix_dense,
 }
 
-# Cases that fail today because of core bugs (see the reasons); the lead removes each mark once
-# its cause is fixed. strict=True: a case that starts passing fails until its mark is removed.
-_SHARED_OUTPUT = (
-    "jax 0.12: rules.custom_lin_rule hands the user's (vmap-batched) bwd dense zeros for the "
-    "cotangents JAX passes as symbolic zeros; JAX's batched custom_vjp bwd then sees a "
-    "'nonzero' cotangent for an unbatched output and raises 'shared across the batch' "
-    "(repro: test_custom_vjp_unbatched_output_under_vmap)")
-XFAIL: dict[str, str] = {
-    "diffrax_backsolve": _SHARED_OUTPUT,
-    # eqx's checkpointed while loop (diffrax's default adjoint) is a custom_vjp with such outputs.
-    "diffrax_recursive_checkpoint": _SHARED_OUTPUT,
-} if JAX_012 else {}
-
-
 # qwix checks `isinstance(x, nnx.VariableState)`, which flax 0.12.8 deprecates on access.
 FILTERS = {"qwix_dense": "ignore:'VariableState' was removed:DeprecationWarning"}
 
@@ -121,7 +105,7 @@ SLOW = {"diffrax_recursive_checkpoint", "diffrax_direct", "diffrax_backsolve"}
 
 def _params():
     for name in CASES:
-        marks = [pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL else []
+        marks = []
         if name in FILTERS:
             marks.append(pytest.mark.filterwarnings(FILTERS[name]))
         if name in SLOW:
@@ -140,7 +124,6 @@ def test_third_party_model(name, jit):
 
 # ----------------------------------------------------------------------------- item 4
 
-@pytest.mark.xfail(JAX_012, strict=True, reason=_SHARED_OUTPUT)
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16], ids=["f32", "bf16"])
 def test_custom_vjp_unbatched_output_under_vmap(dtype, maybe_jit):
     """A `custom_vjp` under `jax.vmap` with an output that does not depend on the batch and

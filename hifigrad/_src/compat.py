@@ -296,17 +296,14 @@ def wrap_bwd(fn: Callable, like) -> Any:
     return _lu.wrap_init(fn, debug_info=like.debug_info)
 
 
-def dense_cotangent(ct, dtype_of: Callable[[Any], Any]):
-    """`ct`, or zeros in ``dtype_of(aval dtype)`` where `ct` is a symbolic zero.
+def is_symbolic_zero(ct) -> bool:
+    """Whether a cotangent handed to a custom_lin `bwd` is a symbolic zero."""
+    return isinstance(ct, (_ad_util.SymbolicZero, _ad.Zero))
 
-    jax >= 0.12 hands a custom_lin `bwd` the zero cotangents of unused outputs as
-    `SymbolicZero` objects (the user rule's own wrapper instantiates them unless it asked for
-    symbolic zeros); a replacement `bwd` must do the same.
-    """
-    if isinstance(ct, (_ad_util.SymbolicZero, _ad.Zero)):
-        aval = ct.aval
-        return np.zeros(aval.shape, dtype_of(aval.dtype))
-    return ct
+
+def symbolic_zero(aval):
+    """A symbolic zero cotangent of `aval`, as JAX hands one to a custom_lin `bwd`."""
+    return _ad_util.SymbolicZero(aval)
 
 
 def custom_lin_bind(invals: Sequence[Any], params: dict) -> list[Any]:

@@ -241,11 +241,6 @@ def shard_map_rule(interp: Interpreter, eqn, invals, inflags):
     return outs, out_f
 
 
-def _up_float(interp: Interpreter):
-    """dtype -> its promoted dtype for real floats, itself otherwise (float0, ints)."""
-    return lambda d: interp.up(d) if is_real_float(d) else np.dtype(d)
-
-
 def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
     """A user `custom_vjp` backward. Its rule is traced at the dtypes JAX declares (cotangent in
     the primal's dtype), which keeps the user's code type-correct, then promoted: the cotangent
@@ -259,19 +254,27 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
 
     def new_bwd(*args):
         r = list(args[:num_res])
-        cts = [compat.dense_cotangent(c, _up_float(interp)) for c in args[num_res:]]
+        # A zero cotangent stays a symbolic zero, as JAX's own custom_lin transpose hands it to
+        # the rule. A dense zero looks nonzero to JAX: on jax >= 0.12, under vmap, the batched
+        # bwd of an output that is shared across the batch then raises "shared across the
+        # batch" (diffrax's adjoints have such outputs).
+        zero = [compat.is_symbolic_zero(c) for c in args[num_res:]]
+        cts = [c for c, z in zip(args[num_res:], zero) if not z]
         # Residuals that are traced stay inputs of the traced rule; concrete ones (a Python
         # bool or scalar the user's fwd returned, seen here as a literal's value) reach the
         # user's bwd as they are, exactly as under jax.grad, so it may branch on them.
         dyn = [i for i, x in enumerate(r) if isinstance(x, jax.core.Tracer)]
 
-        def traced(r_dyn, cts_lo):
+        def traced(r_dyn, cts_nz):
             full = list(r)
             for i, x in zip(dyn, r_dyn):
                 full[i] = x
+            it = iter(cts_nz)
+            cts_lo = [compat.symbolic_zero(a) if z else next(it) for a, z in zip(out_avals, zero)]
             return compat.custom_lin_call_bwd(old_bwd, full, cts_lo)
 
-        ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+        ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                    for a, z in zip(out_avals, zero) if not z]
         r_dyn = [r[i] for i in dyn]
         jaxpr, consts, _ = compat.make_jaxpr_closed(traced, r_dyn, ct_avals)
         outs, oflags = interp.eval(jaxpr, consts, [*r_dyn, *cts],
