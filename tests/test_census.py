@@ -42,8 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from programs import (API, CONTEXT, EVERY, HEAVY, PROGRAMS, TOLERANCE_FACTOR, TRACE_ONLY,
-                      xfail_reason)
+from programs import (
+    API,
+    CONTEXT,
+    EVERY,
+    HEAVY,
+    PROGRAMS,
+    TOLERANCE_FACTOR,
+    TRACE_ONLY,
+    xfail_reason,
+)
 
 import hifigrad as hg
 from hifigrad._src import compat
