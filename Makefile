@@ -1,22 +1,32 @@
 # The two commands a new user runs (see README):
 #   make demo   -- sets up a virtual environment when missing, then runs the main demo
 #   make test   -- sets up a virtual environment when missing, then runs the test suite
-# PYTHON selects the interpreter (CI runs both Python 3.11 and 3.12); each gets its own venv.
+# PYTHON selects the interpreter; each gets its own venv.
+# JAX selects a tested JAX release (one of ci/jax-*.txt, e.g. JAX=0.11.2): the venv then gets
+# exactly the pinned packages of that file (what CI installs), in a venv of its own.
 PYTHON ?= python3
+JAX ?=
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-VENV ?= .venv-$(PYVER)
+VENV ?= .venv-$(PYVER)$(if $(JAX),-jax$(JAX))
+PINS := $(if $(JAX),ci/jax-$(JAX).txt)
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 DEMO_ARGS ?= --out demo-out
+# The subset CI runs on the releases it does not test in full: the API, the rules, the
+# checkpoints, the Flax wrappers, the census, the compat layer and examples/.
+SUBSET ?= tests/test_api.py tests/test_rules.py tests/test_checkpoint.py tests/test_flax.py \
+	tests/test_census.py tests/test_compat.py tests/test_examples.py
 
-.PHONY: demo test test-slow bench lint venv clean
+.PHONY: demo test test-subset test-slow bench lint venv pins clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(PINS)
+	@if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
+		echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -e '.[test]' $(if $(PINS),-c $(PINS))
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,8 +35,23 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+test-subset: $(STAMP)
+	$(VENV)/bin/python -m pytest $(SUBSET) $(PYTEST_ARGS)
+
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
+
+# Regenerates ci/jax-$(JAX).txt from a fresh, unpinned environment with that JAX release.
+pins:
+	@test -n "$(JAX)" || { echo "usage: make pins JAX=<release> [PYTHON=...]"; exit 2; }
+	rm -rf .venv-pins
+	$(PYTHON) -m venv .venv-pins
+	.venv-pins/bin/python -m pip install -q --upgrade pip
+	.venv-pins/bin/python -m pip install -q -e '.[test]' 'jax==$(JAX)'
+	{ echo "# Pins for the test environment of jax $(JAX) (Python $(PYVER)), used by 'make test JAX=$(JAX)' and .ci/run."; \
+	  echo "# Regenerate: make pins JAX=$(JAX) PYTHON=python$(PYVER) (pip freeze of a fresh environment)."; \
+	  .venv-pins/bin/python -m pip freeze --exclude-editable; } > ci/jax-$(JAX).txt
+	rm -rf .venv-pins
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/core_bench.py

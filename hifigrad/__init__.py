@@ -10,6 +10,9 @@ from ._src.api import vjp as vjp
 from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
 from ._src.codecs import get_codec as get_codec
+from ._src.compat import JaxCompatibilityError as JaxCompatibilityError
+from ._src.compat import UntestedJaxWarning as UntestedJaxWarning
+from ._src.compat import check_jax_version as _check_jax_version
 from ._src.interpreter import PrecisionFallbackWarning as PrecisionFallbackWarning
 from ._src.interpreter import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._src.policy import Policy as Policy
@@ -22,6 +25,7 @@ try:
 except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0+unknown"
 
+_check_jax_version()  # one UntestedJaxWarning when the installed JAX is outside the tested range
 
 
 def __getattr__(name):
@@ -41,8 +45,10 @@ __all__ = [
     "codecs",
     "fidelity_report",
     "get_codec",
+    "JaxCompatibilityError",
     "scan",
     "UnsupportedPrimitiveError",
+    "UntestedJaxWarning",
     "grad",
     "precise_backward",
     "promote_rule",

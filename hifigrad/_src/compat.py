@@ -1,16 +1,31 @@
 """Every touch of JAX internals (`jax._src`) and every JAX-version difference lives here.
 
-hifigrad supports jax 0.10.2 (Python 3.11) through 0.12.x (Python 3.12). JAX 0.11 merged
-`ClosedJaxpr` into `Jaxpr` (a jaxpr now carries its own consts) and replaced scan's
-`num_consts`/`num_carry` params with flat-tree descriptors (`ft_in`/`ft_out`); JAX 0.12 changed the
-protocol of a `custom_vjp` backward rule seen at transpose time (it returns `(cts, logs)`). The rest
-of hifigrad sees one interface, defined here.
+The JAX releases hifigrad is tested with are `TESTED_JAX` (CI runs each of them); the package
+metadata admits the same minor series. Each difference between those releases is named once, by the
+feature JAX changed, and decided by evidence from the installed JAX (a probe of a signature, a
+param or a registry), never by comparing version numbers:
+
+- *Closed jaxprs* (jax 0.11): `ClosedJaxpr` merged into `Jaxpr`, which carries its own consts.
+  `jaxpr_and_consts` reads either form.
+- *Scan's flat-tree params* (jax 0.11): `num_consts` / `num_carry` became `ft_in` / `ft_out`.
+  `scan_split` reads either.
+- *Backward-pass logs* (jax 0.11.1, `custom_vjp.defvjp_with_logs`): a `custom_lin` equation's
+  `bwd` returns `(cts_in, logs)`. `bwd_returns_logs` probes it; `custom_lin_call_bwd` and
+  `wrap_bwd` speak the installed protocol.
+- *Hi-primitives* (jax 0.12, `call_hi_primitive`): `hi_primitive_at` rebuilds them.
+
+When one of these assumptions fails on a JAX release nobody tested (a param renamed, a rule's
+result shaped differently), the code that relies on it runs inside `assumption(...)`, which turns
+the bare error from deep inside JAX into a `JaxCompatibilityError` naming hifigrad, the installed
+JAX, the tested releases and what failed. A JAX outside the tested range also gets one
+`UntestedJaxWarning` at import (`check_jax_version`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,8 +42,91 @@ from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-JAXPR_HOLDS_CONSTS = JAX_VERSION >= (0, 11)
+
+def _parse_version(v: str) -> tuple[int, ...]:
+    import re
+
+    out = []
+    for p in v.split("."):
+        m = re.match(r"\d+", p)
+        if m is None:  # "dev20261201" ends the release number
+            break
+        out.append(int(m.group()))
+        if m.end() != len(p):  # "0rc1" ends it too
+            break
+    return tuple(out)
+
+
+JAX_VERSION: tuple[int, ...] = _parse_version(jax.__version__)
+
+# The JAX releases CI tests (`.ci/run`, one constraints file each under `ci/`). Keep in step with
+# `pyproject.toml`'s jax requirement and the README's support table.
+TESTED_JAX: tuple[str, ...] = ("0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.12.0.1")
+
+
+def tested_range() -> str:
+    return f"jax {TESTED_JAX[0]} to {TESTED_JAX[-1]}"
+
+
+class JaxCompatibilityError(RuntimeError):
+    """An assumption hifigrad makes about JAX's internals does not hold for the installed JAX.
+
+    The message names the installed JAX, the releases hifigrad is tested with and what failed.
+    Installing a tested JAX release (``pip install 'jax==<release>'``) is the fix; please report
+    the message if you need the installed one.
+    """
+
+
+class UntestedJaxWarning(UserWarning):
+    """The installed JAX is outside the releases hifigrad is tested with."""
+
+
+def _compat_message(what: str, cause: BaseException | None = None) -> str:
+    msg = (f"hifigrad could not {what} with jax {jax.__version__} (jaxlib "
+           f"{_jaxlib_version()}): an assumption about JAX internals failed. hifigrad is tested "
+           f"with {tested_range()} ({', '.join(TESTED_JAX)}); install one of those, e.g. "
+           f"pip install 'jax=={TESTED_JAX[-1]}'.")
+    if cause is not None:
+        msg += f" What failed: {type(cause).__name__}: {cause}"
+    return msg
+
+
+def _jaxlib_version() -> str:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+@contextlib.contextmanager
+def assumption(what: str):
+    """Runs code that relies on a JAX internal; an error inside becomes a JaxCompatibilityError.
+
+    Only hifigrad's own reading of JAX internals goes inside: never a call into user code, whose
+    errors must reach the user as they are.
+    """
+    try:
+        yield
+    except JaxCompatibilityError:
+        raise
+    except (AttributeError, AssertionError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise JaxCompatibilityError(_compat_message(what, e)) from e
+
+
+def check_jax_version(warn: bool = True) -> bool:
+    """Whether the installed JAX lies inside the tested range; warns once if not."""
+    lo, hi = _parse_version(TESTED_JAX[0]), _parse_version(TESTED_JAX[-1])
+    inside = lo <= JAX_VERSION <= hi
+    if not inside and warn:
+        warnings.warn(
+            f"hifigrad is tested with {tested_range()} ({', '.join(TESTED_JAX)}); the installed "
+            f"jax is {jax.__version__}. It may work; if an internal of JAX changed, hifigrad "
+            f"raises hifigrad.JaxCompatibilityError naming what failed.",
+            UntestedJaxWarning, stacklevel=3)
+    return inside
+
 
 Literal = _core.Literal
 Var = _core.Var
@@ -238,10 +336,11 @@ def is_ref_or_extended(aval) -> bool:
 def scan_split(eqn) -> tuple[int, int]:
     """(num_consts, num_carry) of a scan equation."""
     p = eqn.params
-    if "num_consts" in p:
-        return p["num_consts"], p["num_carry"]
-    consts, carry, _ = p["ft_in"].unpack()
-    return len(list(consts)), len(list(carry))
+    with assumption("read a scan equation's params (num_consts/num_carry or ft_in)"):
+        if "num_consts" in p:
+            return p["num_consts"], p["num_carry"]
+        consts, carry, _ = p["ft_in"].unpack()
+        return len(list(consts)), len(list(carry))
 
 
 def scan_num_ys(eqn) -> int:
@@ -268,8 +367,49 @@ def make_jaxpr_closed(fun: Callable, *avals_or_args,
 # --------------------------------------------------------------------------------------------
 # custom_vjp backward rules seen at transpose time (custom_lin)
 # --------------------------------------------------------------------------------------------
+# JAX change: *backward-pass logs* (`jax.custom_vjp.defvjp_with_logs`, first released in jax
+# 0.11.1). From that release on, the `bwd` param of a `custom_lin` equation returns
+# `(cts_in, logs)` and JAX's custom_lin transpose unpacks such a pair; before it, `bwd` returns
+# `cts_in` alone. Decided by calling the `bwd` JAX itself builds for a one-input custom_vjp, not by
+# version number.
 
-BWD_RETURNS_LOGS = JAX_VERSION >= (0, 12)
+
+@functools.cache
+def bwd_returns_logs() -> bool:
+    """Whether the installed JAX's custom_lin `bwd` returns ``(cts_in, logs)``.
+
+    Evidence: JAX linearizes a one-input identity `custom_vjp`; its `custom_lin` equation's `bwd`
+    is called on a cotangent. A plain result is a one-element sequence of cotangents; a result with
+    logs is a pair whose first element is that sequence.
+    """
+    with assumption("probe the protocol of a custom_vjp backward rule (custom_lin bwd)"):
+
+        @jax.custom_vjp
+        def ident(x):
+            return x
+
+        ident.defvjp(lambda x: (x, None), lambda _, g: (g,))
+        x = np.float32(1.0)
+        _, lin = jax.linearize(ident, x)
+        res, tree = jax.tree_util.tree_flatten(lin)
+        closed = jax.make_jaxpr(lambda r, t: jax.tree_util.tree_unflatten(tree, r)(t))(res, x)
+        jaxpr, _ = jaxpr_and_consts(closed)
+        eqns = [e for e in jaxpr.eqns if e.primitive is custom_lin_p]
+        if len(eqns) != 1 or eqns[0].params["num_res"] != 0:
+            raise AssertionError(f"expected one custom_lin equation without residuals, got "
+                                 f"{[e.primitive.name for e in jaxpr.eqns]}")
+        out = eqns[0].params["bwd"].call_wrapped(np.float32(2.0))
+        if _is_ct_sequence(out, 1):
+            return False
+        if (isinstance(out, (tuple, list)) and len(out) == 2 and _is_ct_sequence(out[0], 1)
+                and (out[1] is None or isinstance(out[1], dict))):
+            return True
+        raise AssertionError(f"the backward returned {out!r}, neither [ct] nor ([ct], logs)")
+
+
+def _is_ct_sequence(out, n: int) -> bool:
+    return (isinstance(out, (tuple, list)) and len(out) == n
+            and not any(isinstance(c, (tuple, list, dict)) for c in out))
 
 
 def custom_lin_call_bwd(bwd, res: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
@@ -279,15 +419,22 @@ def custom_lin_call_bwd(bwd, res: Sequence[Any], cts: Sequence[Any]) -> list[Any
     zeros carry their aval).
     """
     out = bwd.call_wrapped(*res, *cts)
-    if BWD_RETURNS_LOGS:
-        out, _logs = out
-    out = [_ad.replace_rule_output_symbolic_zeros(c) for c in out]
-    return [_ad.instantiate_zeros(c) if isinstance(c, _ad.Zero) else c for c in out]
+    with assumption("read the result of a custom_vjp backward rule (custom_lin bwd)"):
+        if bwd_returns_logs():
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise ValueError(f"expected a pair (cts_in, logs), got {type(out).__name__} "
+                                 f"of length {len(out) if hasattr(out, '__len__') else '?'}")
+            out, _logs = out
+        if not _is_ct_sequence(out, len(out) if isinstance(out, (tuple, list)) else -1):
+            raise ValueError(f"expected a sequence of cotangents, got {out!r:.200}")
+        out = [_ad.replace_rule_output_symbolic_zeros(c) for c in out]
+        return [_ad.instantiate_zeros(c) if isinstance(c, _ad.Zero) else c for c in out]
 
 
 def wrap_bwd(fn: Callable, like) -> Any:
-    """Wraps `fn(*res, *cts) -> cts_in` as a custom_lin `bwd` param (a WrappedFun)."""
-    if BWD_RETURNS_LOGS:
+    """Wraps `fn(*res, *cts) -> cts_in` as a custom_lin `bwd` param (a WrappedFun), in the
+    protocol the installed JAX expects (`bwd_returns_logs`). No logs are produced."""
+    if bwd_returns_logs():
         inner = fn
 
         def fn(*args):  # noqa: F811
