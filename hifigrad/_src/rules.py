@@ -26,6 +26,10 @@ reaches, in order:
    the evidence allows (a `jax.debug.print` of a cotangent prints its f32 value), else at its
    declared dtypes, with no warning: no cotangent leaves it.
 
+GPU library kernels whose abstract evaluation accepts float32 although the kernel does not
+(cuDNN's fused attention, `LOW_PRECISION_KERNELS` at the end of this module) are named: they get
+the fallback, with a warning that names the kernel.
+
 Mutable refs a program creates (`jax.new_ref`) are discharged into pure values before the
 program reaches this table (`api.py`). Every rule runs in its equation's context (mesh, compute
 type), so the casts it stages run where the equation runs.
@@ -482,3 +486,52 @@ def register_rule(primitive, rule, flag_rule=None, table: RuleTable | None = Non
     """
     (PROMOTE if table is None else table).register(primitive, rule, flag_rule)
 
+
+
+# ------------------------------------------------------------------------------ vendor kernels
+
+# Primitives of GPU library kernels whose abstract evaluation accepts float32 operands although
+# the kernel does not, so the default rule's evidence would be wrong: {primitive name: the
+# kernel, in words a user recognizes}. cuDNN's fused attention
+# (`jax.nn.dot_product_attention(implementation='cudnn')`, jax/_src/cudnn/
+# fused_attention_stablehlo.py) is a `custom_vjp` whose bwd binds `dot_product_attention_bwd_
+# wrapper`; that abstract evaluation returns each gradient in its input's dtype, whatever the
+# dtype, and only the CUDA lowering knows BF16/F16 (an f32 operand fails XLA compilation with
+# "KeyError: F32Type(f32)", reproduced on CPU by lowering for 'cuda'). So they run at their own
+# dtype: the cotangent is rounded to the kernel's dtype at its input, its gradients are up-cast
+# at its outputs, everything around it stays float32, and `PrecisionFallbackWarning` names the
+# kernel once (under ``Policy(unsupported='error')``: `UnsupportedPrimitiveError`).
+_CUDNN_ATTENTION = "cuDNN fused attention (jax.nn.dot_product_attention(implementation='cudnn'))"
+LOW_PRECISION_KERNELS = {
+    "dot_product_attention_bwd_wrapper": f"the backward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_bwd": f"the backward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_fwd_wrapper": f"the forward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_fwd": f"the forward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_fp8_bwd_wrapper": f"the fp8 backward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_fp8_bwd": f"the fp8 backward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_fp8_fwd_wrapper": f"the fp8 forward kernel of {_CUDNN_ATTENTION}",
+    "dot_product_attention_fp8_fwd": f"the fp8 forward kernel of {_CUDNN_ATTENTION}",
+}
+
+
+def low_precision_kernel_rule(interp: Interpreter, eqn, invals, inflags):
+    """A kernel of `LOW_PRECISION_KERNELS`: the fallback, with a reason that names it."""
+    what = LOW_PRECISION_KERNELS.get(eqn.primitive.name, "a GPU library kernel")
+    return interp.unsupported(
+        eqn, invals, inflags,
+        f"it is {what}, which accepts only its declared bf16/fp16/fp8 operands although its "
+        f"abstract evaluation accepts float32")
+
+
+def _kernel_primitives():
+    import importlib
+
+    try:
+        mod = importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+    except ImportError:  # pragma: no cover - a JAX without cuDNN attention
+        return []
+    prims = [getattr(mod, a) for a in dir(mod) if a.endswith(("_p", "_p_wrapper"))]
+    return [p for p in prims if getattr(p, "name", None) in LOW_PRECISION_KERNELS]
+
+
+PROMOTE.register(_kernel_primitives(), low_precision_kernel_rule)
