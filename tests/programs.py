@@ -1465,6 +1465,22 @@ def _(x):
     return scheduling_group("hifigrad")(lambda v: jnp.sin(v) * 2)(x) * x
 
 
+def _program_order():
+    """`jax.experimental.overlap.program_order` (jax 0.11.1 to 0.11.2), or None."""
+    try:
+        from jax.experimental.overlap import program_order
+    except ImportError:
+        return None
+    return program_order
+
+
+if _program_order() is not None:
+    @op("overlap_program_order", (3, 4))
+    def _(x):
+        ordered = _program_order()(enforce=False)(lambda v: jnp.sin(v) * v)
+        return ordered(x) * 2
+
+
 @jax.custom_vjp
 def _sin_remat_opt(x):
     return jnp.sin(x)

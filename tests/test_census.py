@@ -69,6 +69,7 @@ CENSUS_MODULES = (
     "jax.experimental.multihost_utils", "jax.experimental.fused",
     "jax.experimental.scheduling_groups", "jax.experimental.buffer_callback",
     "jax.experimental.custom_partitioning", "jax.experimental.checkify",
+    "jax.experimental.overlap",
 )
 
 _INTEGER = "integer/bool-only: its values have no tangent (float0), so no cotangent reaches it"

@@ -107,7 +107,7 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
     transposed = jax.linear_transpose(lin_promoted, *in_avals)
-    if policy.matmul == "fast":
+    if policy.resolved_matmul() == "fast":
         from .fast import fast_matmul
 
         transposed = fast_matmul(transposed, policy)
@@ -152,10 +152,17 @@ def vjp(fun: Callable, *primals, has_aux: bool = False, tangent_dtype=None,
       ``(out, vjp_fn)`` or ``(out, vjp_fn, aux)``. ``vjp_fn`` is a pytree of residuals (it can
       be returned from `jax.jit`).
 
-    >>> import jax.numpy as jnp, hifigrad as hg
-    >>> y, f_vjp = hg.vjp(lambda x: (x * x).sum(), jnp.ones(3, jnp.bfloat16))
-    >>> f_vjp(jnp.float32(1.0))[0].dtype
-    dtype('float32')
+    Raises:
+      ValueError: ``tangent_dtype`` is less precise than a float primal, or conflicts with
+        ``policy.tangent_dtype``.
+      TypeError: ``has_aux=True`` but ``fun`` does not return a pair; ``vjp_fn`` gets a
+        cotangent whose tree structure or dtype does not match the output's.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> y, f_vjp = hg.vjp(lambda x: (x * x).sum(), jnp.ones(3, jnp.bfloat16))
+      >>> y.dtype, f_vjp(jnp.float32(1.0))[0].dtype
+      (dtype(bfloat16), dtype('float32'))
     """
     policy = resolve_policy(policy, tangent_dtype)
     return _vjp(fun, primals, has_aux, policy, PROMOTE)
@@ -237,12 +244,33 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
     """Like `jax.value_and_grad`, with the backward pass in ``tangent_dtype`` (default f32).
 
     The gradient of a float input has dtype ``promote_types(input dtype, tangent_dtype)``: float32
-    gradients for bf16/fp16 parameters.
+    gradients for bf16/fp16 parameters. The value is ``fun``'s own output, bitwise.
 
-    >>> import jax.numpy as jnp, hifigrad as hg
-    >>> v, g = hg.value_and_grad(lambda w: jnp.sum(w * w))(jnp.ones(2, jnp.bfloat16))
-    >>> v.dtype, g.dtype
-    (dtype(bfloat16), dtype('float32'))
+    Args:
+      fun: the function to differentiate; it returns a real scalar (or ``(scalar, aux)``).
+      argnums: an int or a tuple of ints: which positional arguments to differentiate.
+      has_aux: whether ``fun`` returns ``(output, aux)``.
+      tangent_dtype: the dtype cotangents are held in (default float32).
+      policy: a `hifigrad.Policy`; ``tangent_dtype`` may be given here instead.
+      allow_int: accept integer and bool inputs at ``argnums`` (their gradients are float0
+        zeros), as in `jax.grad`.
+
+    Returns:
+      A function with ``fun``'s signature that returns ``(value, grads)``, or
+      ``((value, aux), grads)`` with ``has_aux=True``; ``grads`` has the structure of the
+      argument at ``argnums`` (a tuple of them for a tuple ``argnums``).
+
+    Raises:
+      TypeError: (when called) an input at ``argnums`` is not floating point (without
+        ``allow_int``), ``fun``'s output is not a real scalar, or ``argnums`` is invalid.
+      ValueError: ``tangent_dtype`` is less precise than a float input, or conflicts with
+        ``policy.tangent_dtype``.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> v, g = hg.value_and_grad(lambda w: jnp.sum(w * w))(jnp.ones(2, jnp.bfloat16))
+      >>> v.dtype, g.dtype
+      (dtype(bfloat16), dtype('float32'))
     """
     policy = resolve_policy(policy, tangent_dtype)
     nums = _argnums_tuple(argnums)
@@ -295,9 +323,34 @@ def grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_dtype=None,
          policy: Policy | None = None, allow_int: bool = False):
     """Like `jax.grad`, with the backward pass in ``tangent_dtype`` (default float32).
 
-    >>> import jax.numpy as jnp, hifigrad as hg
-    >>> hg.grad(lambda w: jnp.sum(jnp.tanh(w)))(jnp.zeros(2, jnp.bfloat16))
-    Array([1., 1.], dtype=float32)
+    The forward is ``fun`` exactly as written; the gradient of a bf16 / fp16 / fp8 input is
+    float32. Composes with `jax.jit`, `jax.vmap` and shardings like `jax.grad`.
+
+    Args:
+      fun: the function to differentiate; it returns a real scalar (or ``(scalar, aux)``).
+      argnums: an int or a tuple of ints: which positional arguments to differentiate.
+      has_aux: whether ``fun`` returns ``(output, aux)``.
+      tangent_dtype: the dtype cotangents are held in (default float32).
+      policy: a `hifigrad.Policy`; ``tangent_dtype`` may be given here instead.
+      allow_int: accept integer and bool inputs at ``argnums``, as in `jax.grad`.
+
+    Returns:
+      A function with ``fun``'s signature that returns the gradient (``(grads, aux)`` with
+      ``has_aux=True``), as `jax.grad` does.
+
+    Raises:
+      TypeError: (when called) an input at ``argnums`` is not floating point (without
+        ``allow_int``), ``fun``'s output is not a real scalar, or ``argnums`` is invalid.
+      ValueError: ``tangent_dtype`` is less precise than a float input, or conflicts with
+        ``policy.tangent_dtype``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> hg.grad(lambda w: jnp.sum(jnp.tanh(w)))(jnp.zeros(2, jnp.bfloat16))
+      Array([1., 1.], dtype=float32)
+      >>> jax.jit(hg.grad(lambda w, x: jnp.sum(x @ w), argnums=(0, 1)))(
+      ...     jnp.ones((2, 2), jnp.bfloat16), jnp.ones((1, 2), jnp.bfloat16))[1].dtype
+      dtype('float32')
     """
     vg = value_and_grad(fun, argnums, has_aux, tangent_dtype=tangent_dtype, policy=policy,
                         allow_int=allow_int)
@@ -321,12 +374,30 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
     lossless, keep master parameters in float32 and cast them to bf16 *inside* the wrapped
     function: the parameters' cotangents then leave in float32.
 
-    >>> import jax, jax.numpy as jnp, hifigrad as hg
-    >>> def layer(w32, x):          # f32 master weights, bf16 compute
-    ...     return jnp.tanh(x @ w32.astype(jnp.bfloat16)).sum()
-    >>> f = hg.precise_backward(layer)
-    >>> jax.grad(f)(jnp.ones((2, 2)), jnp.ones((1, 2), jnp.bfloat16)).dtype
-    dtype('float32')
+    Values ``fun`` closes over (a caller's traced parameters) are differentiated too. The
+    wrapper is a `jax.custom_vjp`: forward-mode differentiation (`jax.jvp`) through it is not
+    supported.
+
+    Args:
+      fun: the function whose backward runs in ``tangent_dtype``; it takes and returns pytrees
+        of arrays.
+      tangent_dtype: the dtype cotangents are held in inside (default float32).
+      policy: a `hifigrad.Policy`; ``tangent_dtype`` may be given here instead.
+
+    Returns:
+      A function with ``fun``'s signature and outputs.
+
+    Raises:
+      ValueError: (when called) ``tangent_dtype`` is less precise than a float input, or
+        conflicts with ``policy.tangent_dtype``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> def layer(w32, x):          # f32 master weights, bf16 compute
+      ...     return jnp.tanh(x @ w32.astype(jnp.bfloat16)).sum()
+      >>> f = hg.precise_backward(layer)
+      >>> jax.grad(f)(jnp.ones((2, 2)), jnp.ones((1, 2), jnp.bfloat16)).dtype
+      dtype('float32')
     """
     policy = resolve_policy(policy, tangent_dtype)
 

@@ -5,12 +5,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = ["Policy", "resolve_policy"]
 
-_MATMUL = ("exact", "fast")
+_MATMUL = ("auto", "exact", "fast")
+_PRECISION = (None, "default", "high", "highest")
+# What `matmul='auto'` resolves to on each platform, by measurement (README, "Choosing a policy"):
+# on CPU, 'exact' is as fast as 'fast' (XLA:CPU has no low-precision matmul units; 268.7 vs
+# 269.9 ms per step, benchmarks/results/core_cpu.md) and 0.2 dB more precise; on a GPU, 'fast'
+# costs 1.025x bf16 jax.grad's step and 'exact' 1.29x (H200, jax 0.11.2), for 0.4 dB.
+_AUTO_MATMUL = {"cpu": "exact"}
+_AUTO_MATMUL_DEFAULT = "fast"
 _UNSUPPORTED = ("fallback", "error")
 _COEFFICIENTS = ("forward", "tangent")
 
@@ -22,10 +31,22 @@ class Policy:
     Attributes:
       tangent_dtype: the dtype every cotangent-derived value is held in when the primal is less
         precise (default float32).
-      matmul: ``'exact'`` runs backward `dot_general`/`conv` in ``tangent_dtype`` (residual
-        operands up-cast); ``'fast'`` keeps low-precision operands (the cotangent rounded to the
-        residual's dtype) and accumulates in ``tangent_dtype`` via ``preferred_element_type``: the
-        tensor-core path on GPUs.
+      matmul: how backward `dot_general` / `conv_general_dilated` ops multiply.
+        ``'exact'`` runs them in ``tangent_dtype`` (residual operands up-cast): float32 x
+        float32. ``'fast'`` keeps low-precision operands (the cotangent rounded to the residual's
+        dtype) and accumulates in ``tangent_dtype`` via ``preferred_element_type``: the
+        tensor-core path on GPUs. ``'auto'`` (default) is ``'exact'`` on CPU and ``'fast'`` on
+        every other platform, chosen by measurement: on CPU both run at the same speed and exact
+        is more precise; on an NVIDIA H200 fast ran 1.025x bf16 `jax.grad`'s step time against
+        exact's 1.29x, 0.4 dB of gradient SQNR apart. It is resolved when the backward is traced,
+        from `jax.default_backend()` (`Policy.resolved_matmul`).
+      matmul_precision: the `lax.Precision` of the backward's float32 matmuls (``'exact'`` mode,
+        and everything ``'auto'`` runs exact). ``None`` (default) keeps each op's own precision,
+        so `jax.default_matmul_precision` applies as it does to `jax.grad`. On NVIDIA GPUs JAX's
+        default precision runs a float32 matmul on TF32 tensor cores (10 mantissa bits), so
+        "exact" there means float32 operands multiplied in TF32 unless this is ``'highest'``.
+        ``'highest'`` makes them true float32 multiplies (slower on GPUs: an f32 model's step
+        took 2.5x as long at 'highest' on an H200); ``'default'`` / ``'high'`` as in `lax.Precision`.
       unsupported: what to do with a cotangent-carrying primitive that cannot run promoted (no
         rule names it and the evidence that re-binding it at promoted dtypes is exact is
         missing; see `hifigrad._src.rules`): ``'fallback'`` (default) runs it at its own dtype
@@ -39,9 +60,10 @@ class Policy:
     """
 
     tangent_dtype: Any = jnp.float32
-    matmul: Literal["exact", "fast"] = "exact"
+    matmul: Literal["auto", "exact", "fast"] = "auto"
     unsupported: Literal["fallback", "error"] = "fallback"
     coefficients: Literal["forward", "tangent"] = "forward"
+    matmul_precision: Literal["default", "high", "highest"] | None = None
 
     def __post_init__(self):
         try:
@@ -60,6 +82,35 @@ class Policy:
                                      ("coefficients", self.coefficients, _COEFFICIENTS)):
             if value not in allowed:
                 raise ValueError(f"Policy.{name} must be one of {allowed}; got {value!r}.")
+        prec = self.matmul_precision
+        if isinstance(prec, lax.Precision):
+            prec = prec.name.lower()
+            object.__setattr__(self, "matmul_precision", prec)
+        if prec not in _PRECISION:
+            raise ValueError(
+                f"Policy.matmul_precision must be one of {_PRECISION} or a jax.lax.Precision; "
+                f"got {prec!r}.")
+
+    def resolved_matmul(self, platform: str | None = None) -> str:
+        """The matmul mode the backward runs: ``'exact'`` or ``'fast'``.
+
+        ``'auto'`` resolves by platform (``platform``, default `jax.default_backend()`):
+        ``'exact'`` on CPU, ``'fast'`` elsewhere.
+
+        >>> import hifigrad as hg
+        >>> hg.Policy().resolved_matmul("cpu"), hg.Policy().resolved_matmul("gpu")
+        ('exact', 'fast')
+        """
+        if self.matmul != "auto":
+            return self.matmul
+        platform = jax.default_backend() if platform is None else platform
+        return _AUTO_MATMUL.get(platform, _AUTO_MATMUL_DEFAULT)
+
+    def lax_precision(self) -> lax.Precision | None:
+        """`matmul_precision` as a `lax.Precision` (None when each op keeps its own)."""
+        if self.matmul_precision is None:
+            return None
+        return lax.Precision[self.matmul_precision.upper()]
 
 
 def resolve_policy(policy: Policy | None, tangent_dtype: Any = None) -> Policy:

@@ -7,7 +7,8 @@ reaches, in order:
    (`scan`, `while`, `cond`, `remat`, `jit`, `shard_map`), custom rules (`custom_jvp_call`,
    `custom_vjp_call`, a user's `custom_vjp` backward as `custom_lin`, `custom_linear_solve`),
    `convert_element_type`, scatters (typed update jaxprs), `fft`, callbacks (run at their declared
-   dtypes) and JAX 0.12's hi-primitives (`call_hi_primitive`: `jnp.ldexp`, `jnp.frexp`).
+   dtypes), JAX 0.12's hi-primitives (`call_hi_primitive`: `jnp.ldexp`, `jnp.frexp`), and
+   `dot_general` / `conv_general_dilated` (the default rule plus `Policy.matmul_precision`).
 2. **Otherwise `default_rule` decides by evidence, not by name:**
    - a call-like primitive (one sub-jaxpr whose inputs and outputs are the equation's, aval for
      aval: `closed_call`, 0.12's `eval_jaxpr` from `lax.custom_root`, ...) is inlined;
@@ -435,6 +436,17 @@ def default_rule(interp: Interpreter, eqn, invals, inflags):
     return promote_rule(interp, eqn, invals, inflags, params)
 
 
+def matmul_rule(interp: Interpreter, eqn, invals, inflags):
+    """`dot_general` / `conv_general_dilated`: the default rule, with the op's ``precision`` set
+    to `Policy.matmul_precision` when one is given (the transposed backward matmuls inherit it).
+    Without one, each op keeps its own precision, and `jax.default_matmul_precision` applies to
+    the backward as it does under `jax.grad`."""
+    prec = interp.policy.lax_precision()
+    if prec is not None and "precision" in eqn.params and any(inflags):
+        eqn = eqn.replace(params=dict(eqn.params, precision=(prec, prec)))
+    return default_rule(interp, eqn, invals, inflags)
+
+
 def hi_primitive_rule(interp: Interpreter, eqn, invals, inflags):
     """`call_hi_primitive` (jax >= 0.12: `jnp.ldexp`, `jnp.frexp`, ...): its `HiPrim` object
     holds the input avals it was built for, so it is rebuilt at the promoted avals and used when
@@ -475,6 +487,7 @@ PROMOTE.register(compat.linear_solve_p, linear_solve_rule)
 PROMOTE.register(compat.shard_map_p, shard_map_rule, call_flags)
 PROMOTE.register([compat.pure_callback_p, compat.io_callback_p], callback_rule)
 PROMOTE.register(compat.call_hi_primitive_p, hi_primitive_rule)
+PROMOTE.register([lax.dot_general_p, lax.conv_general_dilated_p], matmul_rule)
 
 
 def register_rule(primitive, rule, flag_rule=None, table: RuleTable | None = None) -> None:
