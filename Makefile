@@ -13,9 +13,9 @@ STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 DEMO_ARGS ?= --out demo-out
 # The subset CI runs on the releases it does not test in full: the API, the rules, the
-# checkpoints, the Flax wrappers, the census, the compat layer and examples/.
+# checkpoints, the Flax wrappers, the census, the compat layer, examples/ and the demo.
 SUBSET ?= tests/test_api.py tests/test_rules.py tests/test_checkpoint.py tests/test_flax.py \
-	tests/test_census.py tests/test_compat.py tests/test_examples.py
+	tests/test_census.py tests/test_compat.py tests/test_examples.py tests/test_demo.py
 
 .PHONY: demo test test-subset test-slow bench lint venv pins clean
 
@@ -62,3 +62,23 @@ lint: $(STAMP)
 
 clean:
 	rm -rf .venv-* .pytest_cache
+
+# The documentation site (mkdocs-material + mkdocstrings, mkdocs.yml), built in strict mode
+# (any warning fails: a broken link, a missing reference, a malformed docstring) into site/.
+# Its own venv, from the `docs` extra (pinned) plus flax and equinox for hifigrad.flax/.equinox.
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed-stamp
+
+.PHONY: docs docs-serve
+
+$(DOCS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install -q -e '.[docs,flax,equinox]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(DOCS_VENV)/bin/python -m mkdocs build --strict --site-dir site
+
+docs-serve: $(DOCS_STAMP)
+	$(DOCS_VENV)/bin/python -m mkdocs serve
