@@ -163,8 +163,26 @@ def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = Fal
     Args:
       fun: the function; it returns a scalar loss (or ``(loss, aux)``).
       has_aux: whether `fun` returns ``(loss, aux)``.
-      tangent_dtype, policy: as in `hifigrad.grad`.
+      tangent_dtype: as in `hifigrad.grad` (default float32).
+      policy: as in `hifigrad.grad`.
       argnums: not accepted (as in Equinox): the first argument is the one differentiated.
+
+    Returns:
+      An ``eqx.Module`` wrapping `fun` that returns ``(value, grads)`` (``((value, aux),
+      grads)`` with ``has_aux=True``), or, called without `fun`, a decorator.
+
+    Raises:
+      ValueError: ``argnums`` is given.
+      TypeError: `fun` is not callable; (when called) `fun` does not return a real scalar loss
+        (or ``(loss, aux)`` with ``has_aux=True``).
+
+    Examples:
+      >>> import equinox as eqx, jax, jax.numpy as jnp, hifigrad as hg
+      >>> model = eqx.nn.Linear(3, 1, key=jax.random.key(0), dtype=jnp.bfloat16)
+      >>> loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)
+      >>> value, grads = hg.equinox.filter_value_and_grad(loss)(model, jnp.ones(3, jnp.bfloat16))
+      >>> value.dtype, grads.weight.dtype
+      (dtype('float32'), dtype('float32'))
     """
     _no_argnums("filter_value_and_grad", argnums)
     if fun is _MISSING:
@@ -184,6 +202,33 @@ def filter_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = False, tangen
     Returns the gradient with respect to the first argument (``None`` for its leaves that are
     not inexact arrays), or ``(grads, aux)`` with ``has_aux=True``. See
     `filter_value_and_grad`.
+
+    Args:
+      fun: the function; it returns a scalar loss (or ``(loss, aux)``).
+      has_aux: whether `fun` returns ``(loss, aux)``.
+      tangent_dtype: as in `hifigrad.grad` (default float32).
+      policy: as in `hifigrad.grad`.
+      argnums: not accepted (as in Equinox): the first argument is the one differentiated.
+
+    Returns:
+      An ``eqx.Module`` wrapping `fun` that returns the gradients (``(grads, aux)`` with
+      ``has_aux=True``), or, called without `fun`, a decorator.
+
+    Raises:
+      ValueError: ``argnums`` is given.
+      TypeError: `fun` is not callable; (when called) `fun` does not return a real scalar loss
+        (or ``(loss, aux)`` with ``has_aux=True``).
+
+    Examples:
+      >>> import equinox as eqx, jax, jax.numpy as jnp, hifigrad as hg
+      >>> model = eqx.nn.MLP(3, 1, 4, 1, key=jax.random.key(0), dtype=jnp.bfloat16)
+      >>> @eqx.filter_jit
+      ... @hg.equinox.filter_grad
+      ... def grads(model, x):
+      ...     return jnp.sum(model(x).astype(jnp.float32) ** 2)
+      >>> g = grads(model, jnp.ones(3, jnp.bfloat16))
+      >>> g.layers[0].weight.dtype, g.activation       # a non-array leaf gets None
+      (dtype('float32'), None)
     """
     _no_argnums("filter_grad", argnums)
     if fun is _MISSING:

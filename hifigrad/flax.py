@@ -26,7 +26,8 @@ function (BatchNorm statistics, RNG counts, any ``nnx.Variable``) to the caller'
 NNX's own split/merge machinery: only the differentiation itself is hifigrad's.
 
     >>> model = nnx.Linear(8, 8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    >>> g = hg.flax.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, jnp.ones((2, 8)))
+    >>> x = jnp.ones((2, 8), jnp.bfloat16)
+    >>> g = hg.flax.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, x)
     >>> g["kernel"][...].dtype
     dtype('float32')
 
@@ -108,16 +109,38 @@ def remat_scan(target, lengths: Sequence[int] | None = (), policy: Policy | None
       target: a Module class whose ``__call__(carry)`` returns the next carry.
       lengths: loop lengths (their product is the number of blocks), as in ``nn.remat_scan``.
       policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
-      variable_broadcast, variable_carry, variable_axes, split_rngs: as in ``nn.remat_scan``.
+      variable_broadcast: as in ``nn.remat_scan``.
+      variable_carry: as in ``nn.remat_scan``.
+      variable_axes: as in ``nn.remat_scan`` (default ``{True: 0}``).
+      split_rngs: as in ``nn.remat_scan`` (default ``{True: True}``).
       codec: a codec or its name ("fp8_e4m3", "int8", "int4", ...).
       save: ``"inputs"`` (each block's input carry saved encoded, the block recomputed from
         it) or ``"residuals"`` (the residuals of each block's backward that derive from the
         carry saved encoded, ReLU masks bit-packed; no recomputation from lossy data): see
         `hifigrad.checkpoint`.
 
-    Example:
-      ``Stack = hg.flax.remat_scan(Block, lengths=(12,), codec="fp8_e4m3",
-      variable_axes={"params": 0}, split_rngs={"params": True})``
+    Returns:
+      A Module class, as ``nn.remat_scan`` returns: its ``__call__(carry)`` applies the
+      ``prod(lengths)`` blocks in turn.
+
+    Raises:
+      ValueError: ``lengths`` is empty; an unknown codec name or ``save`` mode.
+      TypeError: ``policy`` is not a `hifigrad.Policy` (a `jax.checkpoint` policy does not
+        apply: every block is recomputed from its encoded input).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, hifigrad as hg
+      >>> class Block(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return jnp.tanh(nn.Dense(8)(x))
+      >>> Stack = hg.flax.remat_scan(Block, lengths=(3,), codec="int8",
+      ...                            variable_axes={"params": 0}, split_rngs={"params": True})
+      >>> x = jnp.ones((2, 8))
+      >>> params = Stack().init(jax.random.key(0), x)
+      >>> g = jax.grad(lambda p: Stack().apply(p, x).sum())(params)
+      >>> g["params"]["Dense_0"]["kernel"].shape     # stacked: one kernel per block
+      (3, 8, 8)
     """
     from flax.linen import transforms
 
@@ -141,6 +164,33 @@ def scan_layers(blocks, x, *, codec, policy: Policy | None = None, reverse: bool
     backward (float32); ``save="residuals"`` saves the encoded residuals instead (see
     `hifigrad.checkpoint`). Layers must be pure functions of their input (no state updates such as
     BatchNorm statistics inside the stack). `activation`, if given, is applied after each layer.
+
+    Args:
+      blocks: an NNX module whose state has a leading layer axis (made with ``nnx.vmap``).
+      x: the input of the first layer (the carry).
+      codec: a codec or its name ("fp8_e4m3", "int8", "int4", ...).
+      policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
+      reverse: apply the layers last to first.
+      activation: a function applied to each layer's output, or None.
+      save: ``"inputs"`` or ``"residuals"``, as in `hifigrad.checkpoint`.
+
+    Returns:
+      The last layer's output.
+
+    Raises:
+      ValueError: an unknown codec name or ``save`` mode.
+      TypeError: ``codec`` is neither a name nor a codec.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> from flax import nnx
+      >>> @nnx.vmap(in_axes=0, out_axes=0)
+      ... def make_blocks(key):
+      ...     return nnx.Linear(8, 8, rngs=nnx.Rngs(key))
+      >>> blocks = make_blocks(jax.random.split(jax.random.key(0), 4))
+      >>> y = hg.flax.scan_layers(blocks, jnp.ones((2, 8)), codec="int8", activation=jnp.tanh)
+      >>> y.shape
+      (2, 8)
     """
     from flax import nnx
 
@@ -179,8 +229,30 @@ def grad(f: Callable | Any = _MISSING, *, argnums=0, has_aux: bool = False,
       has_aux: whether `f` returns ``(loss, aux)``.
       holomorphic: not supported (hifigrad differentiates real floating values).
       allow_int: as in ``jax.grad``.
-      graph, graph_updates: as in ``nnx.grad`` (default: NNX's current settings).
-      tangent_dtype, policy: as in `hifigrad.grad`.
+      graph: as in ``nnx.grad`` (default: NNX's current setting).
+      graph_updates: as in ``nnx.grad`` (default: NNX's current setting).
+      tangent_dtype: as in `hifigrad.grad` (default float32).
+      policy: as in `hifigrad.grad`.
+
+    Returns:
+      A function with `f`'s signature returning the gradients (``(grads, aux)`` with
+      ``has_aux=True``), or, called without `f`, a decorator.
+
+    Raises:
+      ImportError: Flax is not installed.
+      NotImplementedError: ``holomorphic=True``.
+      TypeError: `f` is not callable; (when called) `f` does not return a real scalar loss (or
+        ``(loss, aux)`` with ``has_aux=True``).
+      ValueError: ``argnums`` is empty or repeats a position.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((1, 4), jnp.bfloat16)
+      >>> g = hg.flax.grad(lambda m, x: m(x).astype(jnp.float32).sum())(model, x)
+      >>> g["kernel"][...].dtype, type(g).__name__
+      (dtype('float32'), 'State')
     """
     kw = dict(argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int,
               graph=graph, graph_updates=graph_updates, tangent_dtype=tangent_dtype,
@@ -198,6 +270,37 @@ def value_and_grad(f: Callable | Any = _MISSING, *, argnums=0, has_aux: bool = F
 
     Returns ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux=True``; the loss is
     `f`'s own output, bitwise. Otherwise as `grad`.
+
+    Args:
+      f: the function to differentiate; it returns a scalar loss (or ``(loss, aux)``).
+      argnums: an int, an ``nnx.DiffState(argnum, filter)``, or a sequence of them.
+      has_aux: whether `f` returns ``(loss, aux)``.
+      holomorphic: not supported (hifigrad differentiates real floating values).
+      allow_int: as in ``jax.grad``.
+      graph: as in ``nnx.value_and_grad`` (default: NNX's current setting).
+      graph_updates: as in ``nnx.value_and_grad`` (default: NNX's current setting).
+      tangent_dtype: as in `hifigrad.grad` (default float32).
+      policy: as in `hifigrad.grad`.
+
+    Returns:
+      A function with `f`'s signature returning ``(loss, grads)`` (``((loss, aux), grads)``
+      with ``has_aux=True``), or, called without `f`, a decorator.
+
+    Raises:
+      ImportError: Flax is not installed.
+      NotImplementedError: ``holomorphic=True``.
+      TypeError: `f` is not callable; (when called) `f` does not return a real scalar loss (or
+        ``(loss, aux)`` with ``has_aux=True``).
+      ValueError: ``argnums`` is empty or repeats a position.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+      >>> l, g = nnx.jit(hg.flax.value_and_grad(loss))(model, jnp.ones((1, 4), jnp.bfloat16))
+      >>> l.dtype, g["kernel"][...].dtype
+      (dtype('float32'), dtype('float32'))
     """
     kw = dict(argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int,
               graph=graph, graph_updates=graph_updates, tangent_dtype=tangent_dtype,

@@ -1,4 +1,4 @@
-"""docs/frameworks.md: every section's python blocks run as written (so the recipes cannot
+"""docs/guides/frameworks.md: every section's python blocks run as written (so the recipes cannot
 rot), and the page has the sections the README's feature table points to."""
 
 import pathlib
@@ -7,7 +7,7 @@ import re
 import jax
 import pytest
 
-_DOC = pathlib.Path(__file__).parent.parent / "docs" / "frameworks.md"
+_DOC = pathlib.Path(__file__).parent.parent / "docs" / "guides" / "frameworks.md"
 _SECTIONS = ["Flax linen", "Flax NNX", "Equinox", "dm-haiku", "Keras 3 (JAX backend)", "optax"]
 
 
@@ -33,4 +33,5 @@ def test_recipe_runs(title):
     # optax mix dtypes and broadcast ranks implicitly), not the suite's strict modes.
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         for i, block in enumerate(_sections()[title]):
-            exec(compile(block, f"docs/frameworks.md [{title}, block {i}]", "exec"), namespace)
+            where = f"docs/guides/frameworks.md [{title}, block {i}]"
+            exec(compile(block, where, "exec"), namespace)

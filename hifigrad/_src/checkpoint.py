@@ -392,13 +392,20 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
     Returns:
       A function with `fun`'s signature. Its forward is `fun` unchanged.
 
-    >>> import jax, jax.numpy as jnp, hifigrad as hg
-    >>> f = hg.checkpoint(lambda x: jnp.tanh(x) * 2, codec="int8")
-    >>> jax.grad(lambda x: f(x).sum())(jnp.ones(4)).dtype
-    dtype('float32')
-    >>> g = hg.checkpoint(lambda x: jax.nn.relu(x), codec="fp8_e4m3", save="residuals")
-    >>> jax.grad(lambda x: g(x).sum())(jnp.array([-1.0, 2.0]))
-    Array([0., 1.], dtype=float32)
+    Raises:
+      ValueError: an unknown codec name or ``save`` mode; ``tangent_dtype`` conflicts with
+        ``policy.tangent_dtype``.
+      TypeError: ``codec`` is neither a name nor a codec; (when called) an input is already an
+        encoded value, or a delayed-scaling codec is given (it needs `scan`'s ``codec_state``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> f = hg.checkpoint(lambda x: jnp.tanh(x) * 2, codec="int8")
+      >>> jax.grad(lambda x: f(x).sum())(jnp.ones(4)).dtype
+      dtype('float32')
+      >>> g = hg.checkpoint(lambda x: jax.nn.relu(x), codec="fp8_e4m3", save="residuals")
+      >>> jax.grad(lambda x: g(x).sum())(jnp.array([-1.0, 2.0]))
+      Array([0., 1.], dtype=float32)
     """
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
@@ -480,13 +487,38 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     training, ``state = codec.update_state(state, amaxes)``: the max over all steps (and
     microbatches) becomes the next history entry.
 
-    >>> import jax, jax.numpy as jnp, hifigrad as hg
-    >>> def body(c, w):
-    ...     return jnp.tanh(c @ w), None
-    >>> ws = jnp.ones((3, 4, 4)) * 0.1
-    >>> loss = lambda ws: hg.scan(body, jnp.ones((2, 4)), ws, codec="fp8_e4m3")[0].sum()
-    >>> jax.grad(loss)(ws).shape
-    (3, 4, 4)
+    Args:
+      f: the step, ``f(carry, x) -> (carry, y)``, as in `lax.scan`.
+      init: the initial carry (a pytree of arrays); its float leaves are what gets encoded.
+      xs: the per-step inputs, scanned over their leading axis (saved as they are), or None.
+      length: the number of steps, when ``xs`` is None.
+      reverse: scan from the end, as in `lax.scan`.
+      unroll: as in `lax.scan`.
+      codec: a codec or its name ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
+        "int2"), or a `hifigrad.codecs.DelayedFP8Codec` with ``codec_state``.
+      policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
+      tangent_dtype: shorthand for ``Policy(tangent_dtype=...)``.
+      save: ``"inputs"`` or ``"residuals"``, as in `checkpoint`.
+      codec_state: the delayed-scaling state (``codec.init_state()``, then
+        ``codec.update_state(...)``); only with a delayed-scaling codec and ``save="inputs"``.
+
+    Returns:
+      ``(carry, ys)`` as `lax.scan` returns, or ``(carry, ys, amaxes)`` with ``codec_state``.
+
+    Raises:
+      ValueError: an unknown codec name or ``save`` mode; ``codec_state`` with
+        ``save="residuals"``.
+      TypeError: ``codec`` is neither a name nor a codec; a delayed-scaling codec without
+        ``codec_state``, or ``codec_state`` with a codec that keeps no state; an encoded carry.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> def body(c, w):
+      ...     return jnp.tanh(c @ w), None
+      >>> ws = jnp.ones((3, 4, 4)) * 0.1
+      >>> loss = lambda ws: hg.scan(body, jnp.ones((2, 4)), ws, codec="fp8_e4m3")[0].sum()
+      >>> jax.grad(loss)(ws).shape
+      (3, 4, 4)
     """
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)

@@ -128,6 +128,14 @@ class Encoded:
       shape: static: the shape of the encoded array (without any leading axes added by
         `jax.vmap` or `jax.lax.scan`).
       layout: static: which codec layout produced ``data``; `decode` checks it.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> enc = hg.get_codec("int8").encode(jnp.ones((4, 256)))
+      >>> enc.shape, enc.data.dtype, enc.scale.shape
+      ((4, 256), dtype('int8'), (8,))
+      >>> len(jax.tree_util.tree_leaves(enc))      # a pytree of its stored arrays
+      2
     """
 
     data: Any
@@ -144,7 +152,20 @@ jax.tree_util.register_dataclass(
 
 @runtime_checkable
 class Codec(Protocol):
-    """Interface of an activation codec."""
+    """Interface of an activation codec.
+
+    A codec is a hashable object (the built-in ones are frozen dataclasses) with a ``name``, a
+    ``stochastic`` flag and ``encode`` / ``decode`` / ``nbytes`` methods; any object that has
+    them can be passed as ``codec=`` (the check is structural, `typing.runtime_checkable`).
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> isinstance(hg.codecs.IntCodec(bits=4), hg.codecs.Codec)
+      True
+      >>> codec = hg.get_codec("bf16")
+      >>> codec.decode(codec.encode(jnp.array([1.0, 3.0])), jnp.float32)
+      Array([1., 3.], dtype=float32)
+    """
 
     @property
     def name(self) -> str:
@@ -398,7 +419,13 @@ def _decode_kernel(codec: Any, enc: Encoded, dtype: np.dtype) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class NoneCodec:
-    """Identity codec: stores the activation unchanged (4 bytes per float32 element)."""
+    """Identity codec: stores the activation unchanged (4 bytes per float32 element).
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> hg.codecs.NoneCodec().nbytes((2, 3), jnp.float32)
+      24
+    """
 
     @property
     def name(self) -> str:
@@ -429,7 +456,17 @@ class NoneCodec:
 
 @dataclasses.dataclass(frozen=True)
 class BF16Codec:
-    """Casts to bfloat16 (2 bytes per element; relative error at most ``2**-8``)."""
+    """Casts to bfloat16 (2 bytes per element; relative error at most ``2**-8``).
+
+    Values beyond bfloat16's finite range saturate; inf and NaN are kept.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> codec = hg.codecs.BF16Codec()
+      >>> enc = codec.encode(jnp.array([1.0, 1.0 + 2.0**-10]))
+      >>> enc.data.dtype, codec.decode(enc, jnp.float32)
+      (dtype('uint16'), Array([1., 1.], dtype=float32))
+    """
 
     @property
     def name(self) -> str:
@@ -476,6 +513,19 @@ class FP8Codec:
       fmt: ``"e4m3"`` (float8_e4m3fn: 3 mantissa bits, max 448) or ``"e5m2"`` (float8_e5m2:
         2 mantissa bits, max 57344).
       scaling: ``"tensor"`` or ``"row"``.
+
+    Raises:
+      ValueError: an unknown ``fmt`` or ``scaling``.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> codec = hg.codecs.FP8Codec("e4m3", scaling="row")
+      >>> x = jnp.array([[1.0, -448.0], [0.5, 0.25]])
+      >>> codec.decode(codec.encode(x), jnp.float32)
+      Array([[ 1.00e+00, -4.48e+02],
+             [ 5.00e-01,  2.50e-01]], dtype=float32)
+      >>> codec.name, codec.nbytes(x.shape, jnp.float32)
+      ('fp8_e4m3_row', 12)
     """
 
     fmt: str = "e4m3"
@@ -581,6 +631,20 @@ class DelayedFP8Codec:
     Attributes:
       fmt: ``"e4m3"`` or ``"e5m2"``.
       history_len: the number of past amaxes the scale is computed from.
+
+    Raises:
+      ValueError: an unknown ``fmt``, or ``history_len`` not a positive int.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> codec = hg.codecs.DelayedFP8Codec("e4m3", history_len=4)
+      >>> state = codec.init_state()
+      >>> enc = codec.encode(jnp.array([2.0, -896.0]), state=state)   # scale 1: saturates
+      >>> codec.decode(enc, jnp.float32), enc.amax
+      (Array([   2., -448.], dtype=float32), Array(896., dtype=float32))
+      >>> state = codec.update_state(state, enc.amax)                  # next scale: 896 / 448
+      >>> codec.decode(codec.encode(jnp.array([2.0, -896.0]), state=state), jnp.float32)
+      Array([   2., -896.], dtype=float32)
     """
 
     fmt: str = "e4m3"
@@ -736,6 +800,18 @@ class IntCodec:
       group_size: elements per scale; a multiple of ``8 // bits``. Default: 128, 64, 32.
       stochastic: stochastic rounding. Default: False for int8, True for int4 and int2.
       seed: seed of the default dither key (used when ``encode`` gets no ``key``).
+
+    Raises:
+      ValueError: ``bits`` not 8, 4 or 2; ``group_size`` not a positive multiple of
+        ``8 // bits``; ``seed`` outside ``[0, 2**32)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> codec = hg.codecs.IntCodec(bits=8, group_size=4)
+      >>> codec.decode(codec.encode(jnp.array([127.0, -63.5, 0.0, 1.0])), jnp.float32)
+      Array([127., -64.,   0.,   1.], dtype=float32)
+      >>> hg.codecs.IntCodec(bits=4).name, hg.codecs.IntCodec(bits=4, stochastic=False).name
+      ('int4', 'int4_rtn')
     """
 
     bits: int
@@ -888,10 +964,12 @@ def get_codec(spec: str | Codec) -> Codec:
       ValueError: for an unknown name.
       TypeError: for anything that is neither a string nor a codec.
 
-    >>> get_codec("int4")
-    IntCodec(bits=4, group_size=64, stochastic=True, seed=0)
-    >>> get_codec("fp8_e4m3").nbytes((16, 64, 256), "float32") / (16 * 64 * 256 * 4)
-    0.2500038146972656
+    Examples:
+      >>> import hifigrad as hg
+      >>> hg.get_codec("int4")
+      IntCodec(bits=4, group_size=64, stochastic=True, seed=0)
+      >>> hg.get_codec("fp8_e4m3").nbytes((16, 64, 256), "float32") / (16 * 64 * 256 * 4)
+      0.2500038146972656
     """
     if isinstance(spec, str):
         try:

@@ -74,11 +74,32 @@ class JaxCompatibilityError(RuntimeError):
     The message names the installed JAX, the releases hifigrad is tested with and what failed.
     Installing a tested JAX release (``pip install 'jax==<release>'``) is the fix; please report
     the message if you need the installed one.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> try:
+      ...     g = hg.grad(lambda x: (x * x).sum())(jnp.ones(2, jnp.bfloat16))
+      ... except hg.JaxCompatibilityError as e:     # only where a JAX internal has changed
+      ...     print(e)                              # hifigrad, the JAX, the tested releases
+      >>> issubclass(hg.JaxCompatibilityError, RuntimeError)
+      True
     """
 
 
 class UntestedJaxWarning(UserWarning):
-    """The installed JAX is outside the releases hifigrad is tested with."""
+    """The installed JAX is outside the releases hifigrad is tested with.
+
+    Warned once, when `hifigrad` is imported. hifigrad may still work; if one of its
+    assumptions about JAX's internals fails, it raises `JaxCompatibilityError`.
+
+    Examples:
+      >>> import warnings, hifigrad as hg
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore", hg.UntestedJaxWarning)
+      ...     import hifigrad                       # only the first import warns
+      >>> issubclass(hg.UntestedJaxWarning, UserWarning)
+      True
+    """
 
 
 def _compat_message(what: str, cause: BaseException | None = None) -> str:

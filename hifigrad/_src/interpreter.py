@@ -36,12 +36,34 @@ FlagRule = Callable[["Interpreter", Any, list], list]
 
 class UnsupportedPrimitiveError(NotImplementedError):
     """A cotangent reaches a primitive that cannot run promoted, under
-    ``Policy(unsupported='error')``."""
+    ``Policy(unsupported='error')``.
+
+    The message names the primitive, why it cannot run promoted, and the two ways on:
+    ``Policy(unsupported='fallback')`` (run it at its own dtype) or `hifigrad.register_rule`.
+
+    Examples:
+      >>> import hifigrad as hg
+      >>> strict = hg.Policy(unsupported="error")   # raise instead of falling back
+      >>> issubclass(hg.UnsupportedPrimitiveError, NotImplementedError)
+      True
+    """
 
 
 class PrecisionFallbackWarning(UserWarning):
     """A cotangent reaches a primitive that cannot run promoted: it runs at its own dtype, with
-    casts at its edges, so values through it are rounded to that dtype."""
+    casts at its edges, so values through it are rounded to that dtype.
+
+    Warned once per primitive, naming it and why. ``Policy(unsupported='error')`` raises
+    `UnsupportedPrimitiveError` instead.
+
+    Examples:
+      >>> import warnings, jax.numpy as jnp, hifigrad as hg
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", hg.PrecisionFallbackWarning)   # make it an error
+      ...     g = hg.grad(lambda x: jnp.sum(jnp.sin(x)))(jnp.ones(2, jnp.bfloat16))
+      >>> g.dtype
+      dtype('float32')
+    """
 
 
 @dataclasses.dataclass

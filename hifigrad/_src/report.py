@@ -328,11 +328,12 @@ def fidelity_report(loss_fn: Callable, params: Any, *args, dtype=jnp.bfloat16,
       TypeError: a non-float array leaf in ``params``; ``loss_fn`` does not return a real
         scalar, or fails when its inputs are cast.
 
-    >>> import jax.numpy as jnp, hifigrad as hg
-    >>> r = hg.fidelity_report(lambda w, x: jnp.sum(jnp.tanh(x @ w)), {"w": jnp.ones((4, 2))},
-    ...                        jnp.ones((3, 4)), show=False)
-    >>> [leaf.path for leaf in r.leaves]
-    ['w']
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> r = hg.fidelity_report(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"])),
+      ...                        {"w": jnp.ones((4, 2))}, jnp.ones((3, 4)), show=False)
+      >>> [leaf.path for leaf in r.leaves], r.dtype
+      (['w'], 'bfloat16')
     """
     dt = _check_dtype(dtype)
     flat, treedef, diff = _split_params(params)

@@ -73,8 +73,31 @@ def _promote_params(interp: Interpreter, params: dict) -> dict:
 
 
 def promote_rule(interp: Interpreter, eqn, invals, inflags, params: dict | None = None):
-    """For dtype-polymorphic primitives: every float input (promoted or residual) is brought to
-    its promoted dtype, float dtype params likewise, and the primitive is bound."""
+    """The rule for a dtype-polymorphic primitive: binds it with every float input promoted.
+
+    Every float input (promoted or residual) is brought to its promoted dtype, float
+    dtype-valued params (``preferred_element_type``, ...) likewise, and the primitive is bound;
+    all its outputs are promoted. Pass it to `register_rule`; it is not called directly.
+
+    Args:
+      interp: the interpreter evaluating the equation (it knows the policy's tangent dtype).
+      eqn: the jaxpr equation.
+      invals: its input values.
+      inflags: which inputs are promoted.
+      params: the params to bind with (default: ``eqn.params`` with float dtypes promoted).
+
+    Returns:
+      ``(outvals, outflags)``: the outputs, all flagged promoted.
+
+    Examples:
+      >>> import jax, hifigrad as hg
+      >>> from jax.extend.core import Primitive
+      >>> from jax.interpreters import ad
+      >>> scale2_p = Primitive("scale2")              # linear in x, any float dtype
+      >>> _ = scale2_p.def_abstract_eval(lambda x: x)
+      >>> ad.deflinear2(scale2_p, lambda ct, x: [scale2_p.bind(ct)])
+      >>> hg.register_rule(scale2_p, hg.promote_rule)   # its cotangents run in float32
+    """
     args = [interp.cast_up(x, f) if _floating(x) else x for x, f in zip(invals, inflags)]
     params = _promote_params(interp, eqn.params) if params is None else params
     outs = compat.bind_eqn(eqn, args, params)
@@ -495,7 +518,31 @@ def register_rule(primitive, rule, flag_rule=None, table: RuleTable | None = Non
 
     ``rule(interp, eqn, invals, inflags) -> (outvals, outflags)`` receives the equation, its
     input values (promoted ones already in their promoted dtype) and which inputs are promoted.
-    Most primitives that are polymorphic in dtype can use `promote_rule`.
+    Most primitives that are polymorphic in dtype can use `promote_rule`. A primitive no rule
+    names is decided by evidence (see the Extending guide): most need no rule.
+
+    Args:
+      primitive: a JAX primitive, or a list / tuple / set of them (None entries are skipped).
+      rule: ``rule(interp, eqn, invals, inflags) -> (outvals, outflags)``.
+      flag_rule: optional, ``flag_rule(interp, eqn, inflags) -> outflags``: which outputs the
+        rule promotes (default: every float output when any input is promoted).
+      table: the rule table to register in (default: the one `hifigrad.grad` uses).
+
+    Returns:
+      None.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> from jax.extend.core import Primitive
+      >>> from jax.interpreters import ad, mlir
+      >>> double_p = Primitive("double")
+      >>> _ = double_p.def_impl(lambda x: 2 * x)
+      >>> _ = double_p.def_abstract_eval(lambda x: x)
+      >>> mlir.register_lowering(double_p, mlir.lower_fun(lambda x: 2 * x, False))
+      >>> ad.deflinear2(double_p, lambda ct, x: [double_p.bind(ct)])
+      >>> hg.register_rule(double_p, hg.promote_rule)
+      >>> hg.grad(lambda x: double_p.bind(x).sum())(jnp.ones(2, jnp.bfloat16))
+      Array([2., 2.], dtype=float32)
     """
     (PROMOTE if table is None else table).register(primitive, rule, flag_rule)
 
