@@ -480,7 +480,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     backward recomputes only elementwise ops, no matmul, with the forward's gates (see
     `checkpoint`).
 
-    Delayed scaling (`hifigrad.codecs.DelayedFP8Codec`, as in the seed issue and Flax's
+    Delayed scaling (`hifigrad.codecs.DelayedFP8Codec`, as in jax issue 27144's model and Flax's
     ``fp8_ops``): pass ``codec_state``; every step's carry is then encoded with its scale, and
     ``hg.scan`` returns ``(carry, ys, amaxes)``, ``amaxes[i]`` being ``max|carry|`` of step
     ``i`` (the max over the encoded carry leaves). The caller threads the state through

@@ -57,6 +57,18 @@ class Policy:
         (for example ``1 - tanh(x)**2`` saved in bf16); ``'tangent'`` recomputes the coefficients
         of elementwise transcendental ops in ``tangent_dtype`` in the backward, from the saved
         primal values. The forward's values are unchanged either way.
+
+    Raises:
+      ValueError: ``tangent_dtype`` is not a real floating dtype; a field has a value outside
+        the ones listed above.
+
+    Examples:
+      >>> import jax.numpy as jnp, hifigrad as hg
+      >>> policy = hg.Policy(matmul="exact", coefficients="tangent")
+      >>> hg.grad(lambda w: jnp.sum(jnp.tanh(w)), policy=policy)(jnp.zeros(2, jnp.bfloat16))
+      Array([1., 1.], dtype=float32)
+      >>> hg.Policy().matmul, hg.Policy().resolved_matmul("cpu")
+      ('auto', 'exact')
     """
 
     tangent_dtype: Any = jnp.float32
