@@ -7,6 +7,7 @@ import pytest
 from jax import lax
 
 import hifigrad as hg
+from platforms import cpu_only
 
 L, B, D = 8, 16, 64
 
@@ -330,6 +331,32 @@ def test_peak_temp_follows_saved_bytes():
         t = _scan_temp(lambda f, x, p, c=name: hg.scan(f, x, p, codec=c)[0])
         carries = 32 * 256 * 64 * 4
         assert t <= 1.25 * (ref - carries * (1 - ratio)), (name, t, ref)
+
+
+@cpu_only("peak temp bytes are what XLA:CPU's scheduler and buffer assignment allocate")
+def test_peak_temp_is_saved_bytes_plus_one_block_on_every_release():
+    """hg.scan int8's peak temp is the saved bytes plus one block's backward working set, on
+    whatever JAX release runs it (from 0.11.2 on, XLA:CPU could schedule the GELU backward
+    with one more hidden-sized buffer live: +4 MiB on memory_bench's model, which took every
+    codec over its peak-temp target).
+
+    The model (`_scan_temp`'s pre-LN GELU MLP, n blocks, batch b, width d, hidden h): the forward
+    saves the n encoded carries (`IntCodec.nbytes`, 0.254 of a b*d float32 carry each); the
+    backward recomputes one block at a time, and the GELU backward needs three hidden-sized f32
+    buffers at once (the recomputed pre-activation, its tanh, and the cotangent at the
+    pre-activation), plus carry-sized ones: the cotangent carry in and out, the decoded carry,
+    LayerNorm's centred input and output, the two parameter slices and their gradients (d*h =
+    b*d here). Bound: saved + 3 hidden + 8 carries. Measured, in carries: 19.1 (0.10.2), 21.1
+    (0.11.2, 0.12.0.1); 23.1 on 0.11.2 / 0.12.0.1 before `_freeing_first`, over 22.0.
+    """
+    n, b, d, h = 8, 256, 64, 256
+    codec = hg.get_codec("int8")
+    t = _scan_temp(lambda f, x, p: hg.scan(f, x, p, codec=codec)[0], n=n, b=b, d=d, h=h)
+    carry, hidden = b * d * 4, b * h * 4
+    saved = n * codec.nbytes((b, d), jnp.float32)
+    bound = saved + 3 * hidden + 8 * carry
+    assert t <= bound, (f"peak temp {t / carry:.2f} carries > bound {bound / carry:.2f} "
+                        f"(saved {saved / carry:.2f} + 3 hidden + 8 carries)")
 
 
 # ------------------------------------------- save="residuals": one tensor per chain (issue 12)

@@ -42,6 +42,7 @@ What is saved (``save=``):
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from collections.abc import Callable, Sequence
 
@@ -132,12 +133,154 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, res, cts):
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
     _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
-    args_ct, consts_ct = _input_cotangents(vjp_fn(cts), dtypes.dtypes, n)
+    args_ct, consts_ct = _input_cotangents(_freeing_first(vjp_fn, cts), dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state).
     return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
 
 
 _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
+
+
+# ------------------------------------------------------------------ the backward's op order
+
+_CONTRACTIONS = frozenset(("dot_general", "conv_general_dilated"))
+_CASTS = frozenset(("convert_element_type", "hifigrad_upcast"))
+
+
+def _is_contraction(eqn) -> bool:
+    """A dot_general / conv, or a call or cond whose every branch holds one contraction
+    (`Policy(matmul='fast')` stages each backward matmul in a `platform_dependent` cond)."""
+    if eqn.primitive.name in _CONTRACTIONS:
+        return True
+    subs = [compat.jaxpr_and_consts(j)[0] for j in compat.jaxprs_in_params(eqn.params)]
+    return bool(subs) and all(
+        sum(_is_contraction(e) for e in s.eqns) == 1 for s in subs)
+
+
+def _freeing_first(vjp_fn: Callable, cts):
+    """``vjp_fn(cts)``, with each recomputed activation freed before a new one is allocated.
+
+    In a recomputed step's backward, one cotangent ``g`` feeds several contractions: for
+    ``y = a @ W``, ``ct_W = a.T @ g`` is the last use of the recomputed activation ``a``,
+    while ``ct_a = g @ W.T`` allocates a new activation-sized buffer and frees nothing. XLA
+    may run them in either order; when ``ct_a`` comes first (XLA:CPU's scheduler does this
+    for a GELU MLP from jax 0.11.2 on, under `jax.checkpoint` as well), ``a`` and ``ct_a``
+    are live together: one more activation at the peak (+4 MiB on memory_bench's model).
+    So every contraction that frees more bytes of residuals than it allocates runs before
+    the other contractions on the same cotangent (looked through casts): their cotangent
+    operand passes through an `lax.optimization_barrier` with the freeing ones' outputs.
+    Only the order of the ops changes, not what they compute.
+    """
+    flat_cts, ct_tree = tree_flatten(cts)
+    jaxpr, consts, out_tree = compat.make_jaxpr_closed(
+        lambda *c: vjp_fn(tree_unflatten(ct_tree, list(c))), *flat_cts)
+    eqns = jaxpr.eqns
+    residuals = set(jaxpr.constvars)
+    uses: dict = {}
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not compat.is_literal(v):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not compat.is_literal(v):
+            uses[v] = uses.get(v, 0) + 2  # an output is never freed here
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars
+                if not compat.is_dropvar(v)}
+
+    def cast_source(v):
+        """`v` through the casts it was made by (a residual's up-cast, a cotangent's
+        rounding under `matmul='fast'`)."""
+        while (v in producer and eqns[producer[v]].primitive.name in _CASTS
+               and not compat.is_literal(eqns[producer[v]].invars[0])):
+            v = eqns[producer[v]].invars[0]
+        return v
+
+    def nbytes(v):
+        return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+
+    def net_freed(eqn):
+        """Bytes of the residuals `eqn` is the last use of, less the bytes it allocates.
+        Only a residual used as it is counts: one reached through an up-cast (a bf16
+        model's) did not gain from the reordering on XLA:CPU (2.3 -> 2.8 MiB on the bf16 MLP
+        of benchmarks/results/scan_backward_hlo.md), so that case keeps XLA's order."""
+        last = {v for v in eqn.invars
+                if not compat.is_literal(v) and v in residuals and uses[v] == 1}
+        return (sum(nbytes(v) for v in last)
+                - sum(nbytes(v) for v in eqn.outvars if not compat.is_dropvar(v)))
+
+    def cotangents(eqn):
+        return [v for v in eqn.invars if not compat.is_literal(v)
+                and cast_source(v) not in residuals]
+
+    contractions = [i for i, e in enumerate(eqns) if _is_contraction(e)]
+    frees = {i for i in contractions if net_freed(eqns[i]) > 0}
+
+    # after[i]: the freeing contractions that eqn i (one that frees nothing) must wait for,
+    # and its operands the barrier is placed on (the cotangents it shares with them).
+    after: dict = {}
+    for i in contractions:
+        if i in frees:
+            continue
+        shared = cotangents(eqns[i])
+        roots = {cast_source(v) for v in shared}
+        first = [j for j in frees
+                 if any(cast_source(v) in roots for v in cotangents(eqns[j]))]
+        if first:
+            after[i] = (first, shared)
+    if not after:
+        return vjp_fn(cts)
+
+    def ancestors(i):
+        seen, stack = set(), [i]
+        while stack:
+            k = stack.pop()
+            for v in eqns[k].invars:
+                p = None if compat.is_literal(v) else producer.get(v)
+                if p is not None and p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return seen
+
+    deps = {i: {producer[v] for v in e.invars if not compat.is_literal(v) and v in producer}
+            for i, e in enumerate(eqns)}
+    for i, (first, _) in after.items():
+        first = [j for j in first if i not in ancestors(j)]  # never a cycle
+        after[i] = (first, after[i][1])
+        deps[i] |= set(first)
+    # Kahn's algorithm, in the traced order wherever the added edges allow it.
+    users: dict = {i: [] for i in range(len(eqns))}
+    for i, ds in deps.items():
+        for d in ds:
+            users[d].append(i)
+    pending = {i: len(ds) for i, ds in deps.items()}
+    ready = [i for i, k in pending.items() if k == 0]
+    heapq.heapify(ready)
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, flat_cts))
+
+    def read(v):
+        return v.val if compat.is_literal(v) else env[v]
+
+    while ready:
+        i = heapq.heappop(ready)
+        eqn = eqns[i]
+        invals = [read(v) for v in eqn.invars]
+        first, shared = after.get(i, ((), ()))
+        if first:
+            outs_first = [env[v] for j in first for v in eqns[j].outvars
+                          if not compat.is_dropvar(v)]
+            vals = [env[v] for v in shared]
+            vals = lax.optimization_barrier((vals, outs_first))[0]
+            sub = dict(zip(shared, vals))
+            invals = [x if compat.is_literal(v) or v not in sub else sub[v]
+                      for v, x in zip(eqn.invars, invals)]
+        outs = compat.bind_eqn(eqn, invals)
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
+        for u in users[i]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, u)
+    return tree_unflatten(out_tree, [read(v) for v in jaxpr.outvars])
 
 
 # ------------------------------------------------------------------------------ save="residuals"
