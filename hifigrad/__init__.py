@@ -2,7 +2,7 @@
 
 from importlib import metadata as _metadata
 
-from ._src import codecs as codecs
+from . import codecs as codecs
 from ._src.api import grad as grad
 from ._src.api import precise_backward as precise_backward
 from ._src.api import value_and_grad as value_and_grad
