@@ -95,6 +95,28 @@ CASES = {
     "qwix_dense": tpm.qwix_dense,
 }
 
+# The libraries each case imports: a case whose library is not installed is skipped, naming it
+# (the GPU machine, for one, has no dm-haiku, jmp, keras or qwix).
+REQUIRES = {
+    "haiku_resnet_batchnorm": ("haiku", "jmp"),
+    "haiku_lstm": ("haiku", "jmp"),
+    "keras_stateless_call": ("keras",),
+    "diffrax_recursive_checkpoint": ("diffrax", "equinox"),
+    "diffrax_direct": ("diffrax", "equinox"),
+    "diffrax_backsolve": ("diffrax", "equinox"),
+    "linen_batchnorm_axis_name": ("flax",),
+    "nnx_gemma_attention": ("flax",),
+    "qwix_dense": ("flax", "qwix"),
+    **{name: ("equinox",) for name in CASES if name.startswith("equinox_")},
+}
+
+
+def require(*modules):
+    """`pytest.importorskip` for each module, with the reason naming it."""
+    for m in modules:
+        pytest.importorskip(m, reason=f"{m} is not installed")
+
+
 # qwix checks `isinstance(x, nnx.VariableState)`, which flax 0.12.8 deprecates on access.
 FILTERS = {"qwix_dense": "ignore:'VariableState' was removed:DeprecationWarning"}
 
@@ -120,6 +142,7 @@ def _params():
 @pytest.mark.parametrize("jit", [pytest.param(False, id="eager", marks=pytest.mark.slow),
                                  pytest.param(True, id="jit")])
 def test_third_party_model(name, jit):
+    require(*REQUIRES.get(name, ()))
     check_case(name, jax.jit if jit else (lambda f: f))
 
 
@@ -160,6 +183,7 @@ def test_custom_vjp_unbatched_output_under_vmap(dtype, maybe_jit):
 
 def test_keras_import_leaves_jax_config_alone():
     """Importing keras (JAX backend) changes no global JAX config value."""
+    require("keras")
     code = textwrap.dedent("""
         import os
         os.environ.setdefault("KERAS_BACKEND", "jax")
