@@ -35,7 +35,12 @@ Run from the repository root::
     PYTHONPATH=. python benchmarks/memory_bench.py
 
 It writes ``benchmarks/results/memory_cpu.md``, ``memory_cpu.json`` and the plot
-``docs/img/memory_peak_vs_batch.png``.
+``docs/img/memory_peak_vs_batch.png``. The peak-temp column alone, on another JAX release
+(seconds per variant), and a full run that tabulates it beside its own::
+
+    PYTHONPATH=. python benchmarks/memory_bench.py --temp-only   # -> memory_temp_jax<ver>.json
+    PYTHONPATH=. python benchmarks/memory_bench.py \
+        --releases benchmarks/results/memory_temp_jax0.10.2.json,...
 """
 
 from __future__ import annotations
@@ -309,6 +314,33 @@ def plot(rows, budget, path):
 
 # ----------------------------------------------------------------------------- main
 
+TEMP_TARGETS = {f"hg.scan {c}": lim for c, lim in (
+    ("bf16", 0.62), ("fp8_e4m3", 0.42), ("fp8_e5m2", 0.42), ("int8", 0.43), ("int4", 0.33),
+    ("int2", 0.30))}
+
+
+def temp_only(args, names, env):
+    """The peak-temp column alone, for the per-release table of a full run (`--releases`)."""
+    params = init_params(jax.random.key(0), blocks=args.blocks, d=args.d, hidden=args.hidden)
+    rows = []
+    for name in names:
+        c0 = time.perf_counter()
+        rows.append({"name": name, "temp_bytes": peak_temp(name, params, args.batch, args.d),
+                     "compile_s": time.perf_counter() - c0})
+    ref = rows[0]["temp_bytes"]
+    for r in rows:
+        r["temp_ratio"] = r["temp_bytes"] / ref
+        lim = TEMP_TARGETS.get(r["name"])
+        verdict = "" if lim is None else ("PASS" if r["temp_ratio"] <= lim else "FAIL")
+        print(f"jax {env['jax']}  {r['name']:<22} {r['temp_bytes'] / MiB:7.2f} MiB  ratio "
+              f"{r['temp_ratio']:.3f}  {verdict}", flush=True)
+    out = args.out or os.path.join(HERE, "results", f"memory_temp_jax{env['jax']}")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    write_json(out + ".json", {"env": env, "config": vars(args), "rows": rows,
+                               "targets": {k: v for k, v in TEMP_TARGETS.items()}})
+    print(f"wrote {out}.json")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=64)
@@ -327,8 +359,17 @@ def main(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma-separated subset of the variants (default: all); the "
                          f"reference {REF!r} is always included")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "memory_cpu"),
-                    help="output path without extension (.md and .json are written)")
+    ap.add_argument("--temp-only", action="store_true",
+                    help="only the peak-temp column at --batch (compile only, a few seconds "
+                         "per variant; default variants: remat f32 and hg.scan of every "
+                         "codec); writes --out.json (default results/memory_temp_jax<version>)")
+    ap.add_argument("--releases", default="",
+                    help="comma-separated JSON files written by --temp-only on other JAX "
+                         "releases: their peak-temp ratios join this run's in a per-release "
+                         "table (.md and .json)")
+    ap.add_argument("--out", default=None,
+                    help="output path without extension (.md and .json are written; "
+                         "default results/memory_cpu)")
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img",
                                                    "memory_peak_vs_batch.png"),
                     help="where the plot goes ('' for no plot)")
@@ -353,6 +394,13 @@ def main(argv=None):
             ap.error(f"unknown variants {unknown}; choose from {names}")
         names = [REF] + [v for v in want if v != REF]
     plot_batches = [int(b) for b in args.plot_batches.split(",") if b.strip()]
+    if args.temp_only:
+        if not args.variants:
+            names = [REF] + [f"hg.scan {c}" for c in CODECS]
+        temp_only(args, names, env)
+        return
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", "memory_cpu")
 
     params = init_params(jax.random.key(0), blocks=args.blocks, d=args.d, hidden=args.hidden)
     print(f"model: {args.blocks} pre-LN GELU-MLP blocks, d={args.d}, hidden={args.hidden}, "
@@ -428,10 +476,9 @@ def main(argv=None):
     def get(name, key):
         return by.get(name, {}).get(key)
 
-    for codec, lim in (("bf16", 0.62), ("fp8_e4m3", 0.42), ("fp8_e5m2", 0.42), ("int8", 0.43),
-                       ("int4", 0.33), ("int2", 0.30)):
-        target(f"peak temp hg.scan {codec} <= {lim}x f32 remat",
-               get(f"hg.scan {codec}", "temp_ratio"), lambda v, lim=lim: v <= lim)
+    for name, lim in TEMP_TARGETS.items():
+        target(f"peak temp {name} <= {lim}x f32 remat",
+               get(name, "temp_ratio"), lambda v, lim=lim: v <= lim)
     for codec in ("fp8_e4m3", "int8"):
         target(f"save=residuals saved bytes {codec} <= 2.0x f32 remat",
                get(f"hg.scan residuals {codec}", "saved_ratio"), lambda v: v <= 2.0)
@@ -483,6 +530,21 @@ def main(argv=None):
                   f(r.get("search_compiles"), "{}"),
                   ", ".join(f"{b}: {t / MiB:.1f}" for b, t in sorted(r["probes"].items()))]
                  for r in rows]
+    per_release = {env["jax"]: {"source": "this run",
+                                "ratios": {r["name"]: r.get("temp_ratio") for r in rows
+                                           if r["name"] in TEMP_TARGETS or r is ref}}}
+    for path in [p for p in args.releases.split(",") if p.strip()]:
+        import json
+
+        with open(path) as fh:
+            other = json.load(fh)
+        per_release[other["env"]["jax"]] = {
+            "source": os.path.relpath(path, ROOT),
+            "ratios": {r["name"]: r.get("temp_ratio") for r in other["rows"]}}
+    releases = sorted(per_release, key=lambda v: tuple(int(x) for x in v.split(".")))
+    release_rows = [[name, f"{lim}" if lim else "-"]
+                    + [f(per_release[v]["ratios"].get(name), "{:.3f}") for v in releases]
+                    for name, lim in [(REF, None)] + list(TEMP_TARGETS.items())]
     elapsed = time.perf_counter() - t_start
     if args.plot:
         plot(rows, budget, args.plot)
@@ -511,6 +573,15 @@ def main(argv=None):
         md_table(["target", "measured", "result"],
                  [[t["target"], t["value"], t["result"]] for t in targets]),
         "",
+        "## Peak temp ratio vs `remat f32` on each JAX release",
+        "",
+        f"Batch {args.batch}, compile only. Columns other than jax {env['jax']} (this run) come "
+        "from `--temp-only` runs on that release, recorded in "
+        + ", ".join(f"`{per_release[v]['source']}`" for v in releases
+                    if per_release[v]["source"] != "this run") + ".",
+        "",
+        md_table(["variant", "target"] + [f"jax {v}" for v in releases], release_rows),
+        "",
         "## What is saved (the scan alone, `print_saved_residuals`, arguments excluded)",
         "",
         md_table(["variant", "saved arrays"], listing),
@@ -526,7 +597,7 @@ def main(argv=None):
     write_json(args.out + ".json", {
         "env": env, "config": vars(args), "elapsed_s": elapsed,
         "rows": [{k: v for k, v in r.items() if k != "grads"} for r in rows],
-        "targets": targets})
+        "targets": targets, "per_release_temp_ratio": per_release})
     print("\n".join(md))
     print(f"\nwrote {args.out}.md and {args.out}.json" + (f" and {args.plot}" if args.plot
                                                           else ""))
