@@ -16,6 +16,19 @@ if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 
+def pytest_runtest_setup(item):
+    """`cpu_only` / `cuda_only` tests (tests/platforms.py) are skipped elsewhere, with their
+    reason."""
+    from platforms import on_cpu, on_cuda
+
+    for name, here in (("cpu_only", on_cpu), ("cuda_only", on_cuda)):
+        mark = item.get_closest_marker(name)
+        if mark is not None and not here():
+            reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
+            where = "XLA:CPU" if name == "cpu_only" else "an NVIDIA GPU"
+            pytest.skip(f"holds only on {where}: {reason}")
+
+
 @pytest.fixture(autouse=True)
 def _strict_numerics():
     with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
