@@ -5,6 +5,14 @@ With float32 primals and tangent dtype float32 nothing is promoted, so `hg.grad`
 primals every rule runs in promotion; the gradient must be float32 and match the float32 model's
 gradient to within the forward's bf16 rounding (cosine similarity >= 0.99: each forward op rounds
 to 2^-9 relative, and these programs have at most a few dozen ops on any path).
+
+CPU-only claims (`platforms.cpu_only`):
+
+| test | why only on XLA:CPU |
+| --- | --- |
+| `test_mutable_refs_are_discharged` | ref program vs pure rewrite: 1e-6 if no excess precision |
+
+(Measured: fails under jit with ``XLA_FLAGS=--xla_allow_excess_precision=true``.)
 """
 
 import warnings
@@ -14,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from platforms import cpu_only
 from programs import ALL, PROGRAMS
 
 import hifigrad as hg
@@ -245,6 +254,7 @@ def test_static_custom_vjp_residuals_reach_bwd_concrete(maybe_jit, flag):
 
 
 @pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="jax.new_ref is not in this JAX")
+@cpu_only("two programs' bf16 forwards agree to 1e-6 only without excess precision")
 def test_mutable_refs_are_discharged(maybe_jit):
     def fn(x):
         r = jax.new_ref(jnp.zeros_like(x))
