@@ -82,3 +82,12 @@ docs: $(DOCS_STAMP)
 
 docs-serve: $(DOCS_STAMP)
 	$(DOCS_VENV)/bin/python -m mkdocs serve
+
+# The whole check on the lent GPU machine (benchmarks/gpu_check.sh): the test suite (pytest -n 14,
+# junit), `hifigrad demo --quick` and benchmarks/gpu_bench.py, each time-limited (under 8 minutes
+# on an H200), into OUT (default gpu-out: at most 8 files). It uses that machine's own python3
+# (PYTHON=...) and this source tree (PYTHONPATH), no venv. GPU_CHECK_SMALL=1: a CPU dry run.
+.PHONY: gpu-check
+
+gpu-check:
+	OUT=$(or $(OUT),gpu-out) PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh
