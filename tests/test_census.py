@@ -178,6 +178,9 @@ print("CENSUS " + json.dumps(sorted(compat.differentiable_primitives())))
 @pytest.fixture(scope="module")
 def registered():
     """The differentiable primitives of JAX's surveyed namespaces (a fresh process)."""
+    # CPU for the subprocess on every platform: it only lists the primitives JAX registers at
+    # import (the same on every backend, cuDNN's included), and on a GPU it would otherwise
+    # claim the device (75% of its memory by default) beside the test workers.
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _ENUMERATE, *CENSUS_MODULES], env=env,
