@@ -512,7 +512,8 @@ def report(model, title, cfg, rows, results, baseline, flops, env, dev, elapsed,
         ])
     headers = ["row", "status", "step (ms)", f"ratio vs {baseline}", "TFLOP/s (analytic)",
                f"% of {cfg.peak_tflops:g}", "XLA GFLOP (cost_analysis)", "temp (MiB)",
-               "grad SQNR vs f32 highest (dB)", "grad dtype", "lower (s)", "XLA compile (s)", "what"]
+               "grad SQNR vs f32 highest (dB)", "grad dtype", "lower (s)", "XLA compile (s)",
+               "what"]
     n_ok = sum(1 for m in results.values() if m["status"] == "ok")
     n_same = sum(1 for m in results.values() if m["status"].startswith("same program"))
     n_skip = sum(1 for m in results.values() if m["status"].startswith("skipped"))
@@ -636,11 +637,17 @@ def run_model(model, cfg, deadline, env, dev, argv):
     compiled = {}
     for name, fut in futures.items():
         try:
-            compiled[name], results[name]["compile_s"] = fut.result()
+            # With a budget, a compile still running at the deadline is given up (reported),
+            # so that one slow or stuck compile cannot take the rows already compiled with it.
+            left = (None if deadline is None or name == rows[0].name  # the reference: always
+                    else max(0.0, deadline - time.perf_counter()))
+            compiled[name], results[name]["compile_s"] = fut.result(timeout=left)
+        except concurrent.futures.TimeoutError:
+            results[name]["status"] = "skipped: --budget-s spent while this row was compiling"
         except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
             results[name]["status"] = f"compile error: {_short(e)}"
             results[name]["traceback"] = "".join(traceback.format_exception(e, limit=8))
-    pool.shutdown()
+    pool.shutdown(wait=False, cancel_futures=True)
     print(f"== {model}: {len(compiled)} programs compiled; waited "
           f"{time.perf_counter() - t_wait:.1f} s for the compiles", flush=True)
     write()

@@ -78,7 +78,12 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k "$KILL_AFTER_S" "$SUITE_S"
   --ignore=tests/test_distributed.py $TESTS > "$OUT/pytest.log" 2>&1
 rc=$?
 PHASES+=("suite rc=$rc $(( $(now) - t )) s")
-say "   suite: rc=$rc ($( [ $rc = 124 ] && echo 'cut by the time limit; ')$(tail -1 "$OUT/pytest.log" | cut -c1-200)) in $(( $(now) - t )) s"
+case $rc in
+  124) why="cut by the time limit (SIGINT); " ;;
+  137) why="cut by the time limit, killed $KILL_AFTER_S s after SIGINT; " ;;
+  *) why="" ;;
+esac
+say "   suite: rc=$rc (${why}$(tail -1 "$OUT/pytest.log" | cut -c1-200)) in $(( $(now) - t )) s"
 
 # ------------------------------------------------------------------ 2. the demo
 t=$(now)

@@ -52,7 +52,7 @@ def junit_summary(path):
     return lines, counts
 
 
-def pytest_log_summary(path):
+def pytest_log_summary(path, reported):
     if not os.path.exists(path):
         return []
     text = open(path, errors="replace").read()
@@ -60,7 +60,10 @@ def pytest_log_summary(path):
     m = re.search(r"(\d+) workers \[(\d+) items?\]", text) or re.search(
         r"collected (\d+) items?", text)
     if m:
-        lines.append(f"- collected: {m.group(m.lastindex)} tests")
+        n = int(m.group(m.lastindex))
+        lines.append(f"- collected: {n} tests"
+                     + (f"; {n - reported} not in junit (unfinished when the time limit cut "
+                        f"the run)" if reported is not None and n > reported else ""))
     tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [""]
     lines.append(f"- pytest's last line: `{tail[0][:200]}`")
     if "KeyboardInterrupt" in text or "Interrupted" in text:
@@ -119,13 +122,13 @@ def main(argv=None):
     ap.add_argument("--total-s", default=None)
     ap.add_argument("--phases", nargs="*", default=[])
     args = ap.parse_args(argv)
-    junit, _ = junit_summary(os.path.join(args.out, "junit.xml"))
+    junit, counts = junit_summary(os.path.join(args.out, "junit.xml"))
     md = ["# gpu-check summary", "", "## Phases", ""]
     md += [f"- {p}" for p in args.phases]
     if args.total_s:
         md.append(f"- total: {args.total_s} s")
     md += ["", "## Test suite", ""] + junit + pytest_log_summary(
-        os.path.join(args.out, "pytest.log"))
+        os.path.join(args.out, "pytest.log"), sum(counts.values()) if counts else None)
     md += ["", "## Demo", ""] + demo_summary(args.demo)[0]
     md += ["", "## Benchmark", ""] + bench_summary(args.out)
     text = "\n".join(md) + "\n"
