@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import hifigrad as hg
@@ -22,7 +23,7 @@ def loss(ws, x):
 
 def test_fast_is_close_to_exact_and_f32(maybe_jit):
     ws, x = _setup()
-    exact = hg.grad(loss)(ws, x)
+    exact = hg.grad(loss, policy=hg.Policy(matmul="exact"))(ws, x)
     fast = maybe_jit(hg.grad(loss, policy=hg.Policy(matmul="fast")))(ws, x)
     assert fast.dtype == jnp.float32
     # Each backward matmul rounds the cotangent operand to bf16 once (2^-9 relative).
@@ -36,7 +37,7 @@ def test_fast_backward_uses_low_precision_matmuls():
     dots = [l for l in text.splitlines() if "dot_general[" in l]
     assert dots
     assert "preferred_element_type=float32" in text
-    exact = str(jax.make_jaxpr(hg.grad(loss))(ws, x))
+    exact = str(jax.make_jaxpr(hg.grad(loss, policy=hg.Policy(matmul="exact")))(ws, x))
     # In exact mode every backward dot multiplies f32 operands.
     assert "bf16[8,32] = convert_element_type" not in exact
     assert "bf16[8,32] = convert_element_type" in text
@@ -54,8 +55,43 @@ def attention_loss(q):
 
 def test_fast_batched_matmuls_run_on_every_backend(maybe_jit):
     q = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 2, 4)), jnp.bfloat16)
-    exact = hg.grad(attention_loss)(q)
+    exact = hg.grad(attention_loss, policy=hg.Policy(matmul="exact"))(q)
     fast = maybe_jit(hg.grad(attention_loss, policy=hg.Policy(matmul="fast")))(q)
     assert fast.dtype == jnp.float32
     rel = float(jnp.linalg.norm(fast - exact) / jnp.linalg.norm(exact))
     assert 0 < rel <= 4 * 2 ** -9, rel
+
+
+# ---- Policy(matmul='auto') as it runs on a GPU/TPU host (here: 'auto' resolved as off CPU)
+
+@pytest.fixture
+def auto_as_on_gpu(monkeypatch):
+    from hifigrad._src import policy
+
+    monkeypatch.setattr(policy, "_AUTO_MATMUL", {})
+    assert hg.Policy().resolved_matmul() == "fast"
+
+
+def test_auto_off_cpu_is_fast_for_bf16(auto_as_on_gpu):
+    ws, x = _setup()
+    auto = jax.make_jaxpr(hg.grad(loss))(ws, x)
+    fast = jax.make_jaxpr(hg.grad(loss, policy=hg.Policy(matmul="fast")))(ws, x)
+    assert str(auto) == str(fast)
+
+
+def _fp16_tiny_loss(ws, x):
+    # Cotangents of about 1e-9 reach the matmuls: below fp16's smallest subnormal (6e-8).
+    c = lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
+    return jnp.sum(c.astype(jnp.float32)) * 1e-9
+
+
+def test_auto_off_cpu_keeps_fp16_matmuls_exact(auto_as_on_gpu, maybe_jit):
+    """Rounding an fp16 cotangent to fp16 flushes it to zero: 'auto' keeps fp16 matmuls exact,
+    where an explicit 'fast' loses the gradient (the reason for the exception)."""
+    ws, x = (a.astype(jnp.float16) for a in _setup())
+    exact = hg.grad(_fp16_tiny_loss, policy=hg.Policy(matmul="exact"))(ws, x)
+    auto = maybe_jit(hg.grad(_fp16_tiny_loss))(ws, x)
+    fast = hg.grad(_fp16_tiny_loss, policy=hg.Policy(matmul="fast"))(ws, x)
+    assert float(jnp.abs(exact).max()) > 0
+    np.testing.assert_allclose(auto, exact, rtol=2 ** -20, atol=0)  # the same f32 program
+    assert float(jnp.linalg.norm(fast - exact) / jnp.linalg.norm(exact)) > 0.5

@@ -13,6 +13,11 @@ no low-precision matmul units to gain from. So the rewrite is staged with
 `lax.platform_dependent`: on CPU the two rounded operands are up-cast and multiplied in float32,
 which gives the same products (a product of two bf16 or fp16 values is exact in float32) and
 float32 accumulation; every other platform gets the low-precision operands.
+
+``Policy(matmul='auto')`` (the default) runs this pass on every platform but CPU, and there
+rewrites only the matmuls whose low-precision operand has float32's exponent range (bfloat16):
+rounding a cotangent to bf16 keeps its magnitude, while rounding it to fp16 or fp8 would flush
+small cotangents to zero, so those matmuls stay exact.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -41,15 +47,25 @@ def _low_source(interp: Interpreter, var):
     return interp.lookup(eqn.invars[0])
 
 
+def _keeps_exponent_range(low, wide) -> bool:
+    """Whether `low` has `wide`'s exponent range (bfloat16 has float32's; fp16 and fp8 do not)."""
+    lo, hi = jnp.finfo(low), jnp.finfo(wide)
+    return int(lo.minexp) <= int(hi.minexp) and int(lo.maxexp) >= int(hi.maxexp)
+
+
 def _fast_rule(interp: Interpreter, eqn, invals, inflags):
     lhs, rhs = invals[:2]
     lo_l, lo_r = _low_source(interp, eqn.invars[0]), _low_source(interp, eqn.invars[1])
     if lo_l is None and lo_r is None:
         return compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
     low = np.dtype((lo_l if lo_l is not None else lo_r).dtype)
+    out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
+    if interp.policy.matmul == "auto" and not _keeps_exponent_range(low, out_dtype):
+        # fp16 / fp8: rounding the cotangent to them would flush small cotangents to zero
+        # (fp16's smallest normal is 6e-5), the loss of range hifigrad exists to avoid.
+        return compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
     a = lo_l if lo_l is not None else lax.convert_element_type(lhs, low)
     b = lo_r if lo_r is not None else lax.convert_element_type(rhs, low)
-    out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
     params = dict(eqn.params, preferred_element_type=out_dtype)
     rest = invals[2:]
 

@@ -35,11 +35,14 @@ class Policy:
         ``'exact'`` runs them in ``tangent_dtype`` (residual operands up-cast): float32 x
         float32. ``'fast'`` keeps low-precision operands (the cotangent rounded to the residual's
         dtype) and accumulates in ``tangent_dtype`` via ``preferred_element_type``: the
-        tensor-core path on GPUs. ``'auto'`` (default) is ``'exact'`` on CPU and ``'fast'`` on
-        every other platform, chosen by measurement: on CPU both run at the same speed and exact
-        is more precise; on an NVIDIA H200 fast ran 1.025x bf16 `jax.grad`'s step time against
-        exact's 1.29x, 0.4 dB of gradient SQNR apart. It is resolved when the backward is traced,
-        from `jax.default_backend()` (`Policy.resolved_matmul`).
+        tensor-core path on GPUs. ``'auto'`` (default) is ``'exact'`` on CPU; on every other
+        platform it is ``'fast'`` for matmuls whose low-precision operand is bfloat16 and
+        ``'exact'`` for fp16 / fp8 ones (rounding a cotangent to those would flush small values
+        to zero: their exponent range is float32's no more). Chosen by measurement: on CPU both
+        modes run at the same speed and exact is more precise; on an NVIDIA H200 fast ran a
+        bf16 model's step in 1.025x bf16 `jax.grad`'s time against exact's 1.29x, 0.4 dB of
+        gradient SQNR apart. The platform is read when the backward is traced, from
+        `jax.default_backend()` (`Policy.resolved_matmul`).
       matmul_precision: the `lax.Precision` of the backward's float32 matmuls (``'exact'`` mode,
         and everything ``'auto'`` runs exact). ``None`` (default) keeps each op's own precision,
         so `jax.default_matmul_precision` applies as it does to `jax.grad`. On NVIDIA GPUs JAX's
@@ -107,7 +110,8 @@ class Policy:
         """The matmul mode the backward runs: ``'exact'`` or ``'fast'``.
 
         ``'auto'`` resolves by platform (``platform``, default `jax.default_backend()`):
-        ``'exact'`` on CPU, ``'fast'`` elsewhere.
+        ``'exact'`` on CPU, ``'fast'`` elsewhere (where it rewrites only the matmuls on
+        bfloat16 operands; fp16 / fp8 ones stay exact).
 
         >>> import hifigrad as hg
         >>> hg.Policy().resolved_matmul("cpu"), hg.Policy().resolved_matmul("gpu")
