@@ -20,7 +20,10 @@ What is saved (``save=``):
     As `jax.checkpoint` with nothing saveable: only the encoded inputs. The backward recomputes
     `fun` from the *decoded* inputs, so anything derived from them differs from the forward by
     the codec's error, gates included: a ReLU whose pre-activation is within the codec's error
-    of zero can be open in the forward and closed in the recomputation.
+    of zero can be open in the forward and closed in the recomputation. In that backward, a
+    matmul that is the last use of a recomputed activation runs before the other matmuls on
+    the same cotangent (`_freeing_first`), so that peak memory does not depend on how XLA
+    happens to order them (one hidden-sized buffer more on XLA:CPU from jax 0.11.2 on).
 ``"residuals"`` (ActNN-style: no recomputation of the block, exact gates)
     The forward linearizes `fun` (with hifigrad, so the backward runs in tangent precision)
     and saves, for each chain of elementwise ops between linear ones (dot_general, conv,
