@@ -35,7 +35,7 @@ if [ "$SMALL" = 1 ]; then
   TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-120}
   TESTS=${TESTS:-tests/test_policy.py tests/test_codecs.py tests/test_gpu_bench.py}
   DEMO_S=${DEMO_S:-240}
-  BENCH_BUDGET_S=${BENCH_BUDGET_S:-60}
+  BENCH_BUDGET_S=${BENCH_BUDGET_S:-90}
   BENCH_S=${BENCH_S:-200}
   BENCH_ARGS=${BENCH_ARGS:---small --steps 2 --blocks 1 --mlp-blocks 2}
 else

@@ -50,6 +50,7 @@ import hifigrad as hg  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 _TENSOR = r"tensor<([^>]*)>"
 _DOT = re.compile(r":\s*\(" + _TENSOR + r", " + _TENSOR + r"\)\s*->\s*" + _TENSOR + r"\s*$")
+_CALL = re.compile(r"stablehlo\.custom_call @([\w.$-]+)")
 _PREC = re.compile(r"precision = \[(\w+), (\w+)\]")
 _CONVERT = re.compile(r"stablehlo\.convert [^:]*:\s*\(" + _TENSOR + r"\)\s*->\s*" + _TENSOR)
 
@@ -81,6 +82,7 @@ class _null:
 def census(text: str) -> dict:
     dots, dot_elems = collections.Counter(), collections.Counter()
     converts, conv_elems = collections.Counter(), collections.Counter()
+    calls = collections.Counter()
     for line in text.splitlines():
         if "stablehlo.dot_general" in line:
             m = _DOT.search(line)
@@ -95,6 +97,12 @@ def census(text: str) -> dict:
             key = (lt, rt, ot, prec + alg)
             dots[key] += 1
             dot_elems[key] += math.prod(ls) + math.prod(rs)
+        elif "stablehlo.custom_call" in line:
+            m = _CALL.search(line)
+            if m:
+                ops = re.findall(_TENSOR, line.split("->")[0].rsplit(": (", 1)[-1])
+                types = sorted({parse_type(t)[1] for t in ops})
+                calls[f"{m.group(1)} ({','.join(types)})"] += 1
         elif "stablehlo.convert" in line:
             m = _CONVERT.search(line)
             if not m:
@@ -116,6 +124,7 @@ def census(text: str) -> dict:
         "n_dots_highest": sum(v for k, v in dots.items() if k[3].startswith("HIGHEST")),
         "f32_dot_operand_elements": f32_dot,
         "low_dot_operand_elements": low_dot,
+        "custom_calls": dict(calls),
         "n_converts": sum(converts.values()),
         "converted_elements": sum(conv_elems.values()),
     }
@@ -152,13 +161,30 @@ class auto_as_on_gpu:
         return False
 
 
+class cudnn_on_cpu:
+    """Lets JAX trace its cuDNN attention on a host without cuDNN (as tests/test_attention.py
+    does): the cuDNN version check is stubbed (9.10) while tracing; nothing runs."""
+
+    def __enter__(self):
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        self.fa, self.saved = fa, fa.check_cudnn_version
+        fa.check_cudnn_version = lambda *a, **k: 91000
+        return self
+
+    def __exit__(self, *a):
+        self.fa.check_cudnn_version = self.saved
+        return False
+
+
 def _census_row(r, data, gpu_auto=False) -> dict:
     res = {"status": "ok"}
     t0 = time.perf_counter()
     try:
         if r.build is None:
             raise RuntimeError(r.skip)
-        with warnings.catch_warnings(), (auto_as_on_gpu() if gpu_auto else _null()):
+        with warnings.catch_warnings(), (auto_as_on_gpu() if gpu_auto else _null()), \
+                (cudnn_on_cpu() if "cudnn" in r.name else _null()):
             warnings.simplefilter("ignore")
             text = lower_for_cuda(r.build(), data, r.precision)
         res.update(census(text))
@@ -214,7 +240,8 @@ def write_report(results, cfg, env, path):
                      r["n_dots_low_operands"], f"{r['f32_dot_operand_elements']:,}",
                      f"{r['low_dot_operand_elements']:,}", r["n_converts"],
                      f"{r['converted_elements']:,}"])
-    detail = [[r["model"], r["row"], _fmt_counter(r["dots"]), _fmt_counter(r["converts"])]
+    detail = [[r["model"], r["row"], _fmt_counter(r["dots"]), _fmt_counter(r["converts"]),
+               _fmt_counter(r.get("custom_calls", {}))]
               for r in results if r["status"] == "ok"]
     p = hg.Policy()
     resolved = p.resolved_matmul() if hasattr(p, "resolved_matmul") else p.matmul
@@ -238,14 +265,16 @@ def write_report(results, cfg, env, path):
         f"is listed only where the program differs.",
         "- `bf16 x bf16 -> f32`: bf16 tensor cores, f32 accumulation. `f32 x f32` at "
         "DEFAULT precision: TF32 on NVIDIA GPUs; at HIGHEST: full f32. `alg`: the dot carries "
-        "an explicit `algorithm` attribute.",
+        "an explicit `algorithm` attribute. The cuDNN rows are traced with JAX's cuDNN version "
+        "check stubbed (as tests/test_attention.py does); their attention runs in the "
+        "`custom_call`s listed in the second table, not in `dot_general`s.",
         "",
         md_table(head, rows),
         "",
         "## Dots and converts by type",
         "",
         md_table(["model", "row", "dot_general (lhs x rhs -> out [precision])",
-                  "convert (from -> to)"], detail),
+                  "convert (from -> to)", "custom_call (operand types)"], detail),
         "",
     ]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
