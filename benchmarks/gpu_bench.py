@@ -722,6 +722,9 @@ def parse(argv):
                     help="peak for the %% column (default 790: H200 bf16, 8192^3 matmul)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting new rows after this many seconds (all models together)")
+    ap.add_argument("--run-grace-s", type=float, default=20.0,
+                    help="with --budget-s: rows already compiled may still run this long after "
+                         "the budget (a few steps each; their compile is paid)")
     ap.add_argument("--gpt-share", type=float, default=0.6,
                     help="fraction of --budget-s the GPT table may use before the MLP starts")
     ap.add_argument("--compile-threads", type=int, default=4,
@@ -760,12 +763,13 @@ def main(argv=None):
     end = None if args.budget_s is None else t0 + args.budget_s
     for i, model in enumerate(models):
         # The GPT table may start work until gpt_share of the budget, the last model until its
-        # end; compiled rows run until the end of the whole budget.
+        # end; compiled rows run until the end of the whole budget plus --run-grace-s.
         deadline = end
         if end is not None and i < len(models) - 1 and model == "gpt":
             deadline = t0 + args.budget_s * args.gpt_share
         try:
-            res = run_model(model, cfg, deadline, env, dev, argv, run_deadline=end)
+            res = run_model(model, cfg, deadline, env, dev, argv,
+                            run_deadline=None if end is None else end + args.run_grace_s)
             summary[model] = {n: m["status"] for n, m in res.items()}
         except Exception as e:  # noqa: BLE001 - the other model still runs
             print(f"{model}: failed outside any row: {_short(e)}", flush=True)
