@@ -1,13 +1,25 @@
-"""hg.checkpoint and hg.scan: compressed saved activations with float32 backward passes."""
+"""hg.checkpoint and hg.scan: compressed saved activations with float32 backward passes.
+
+Claims that a float32 program equals another float32 program to float32 rounding (uncompressed
+codecs against `jax.checkpoint` / `jax.grad`, amax bookkeeping against a plain forward) run in
+`platforms.highest_precision()`: on an NVIDIA GPU a float32 matmul at the default precision is
+TF32, and the two programs' operands, equal to a few float32 ulps, can round to TF32 values
+2**-10 apart (on CPU the context changes nothing). CPU-only claims (`platforms.cpu_only`):
+
+| test | why only on XLA:CPU |
+| --- | --- |
+| `test_peak_temp_follows_saved_bytes` | temp bytes and their floor, measured on XLA:CPU |
+| `test_peak_temp_is_saved_bytes_plus_one_block_on_every_release` | XLA:CPU's buffer sizes |
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from platforms import cpu_only, highest_precision
 
 import hifigrad as hg
-from platforms import cpu_only
 
 L, B, D = 8, 16, 64
 
@@ -40,8 +52,9 @@ def _sqnr(g, ref):
 
 def test_uncompressed_equals_jax_remat(maybe_jit):
     ws, x = _setup()
-    g = maybe_jit(jax.grad(lambda w: loss(w, x, "none")))(ws)
-    want = jax.grad(lambda w: loss_ref(w, x))(ws)
+    with highest_precision():  # f32 vs f32 through 8 matmuls: no TF32 (module docstring)
+        g = maybe_jit(jax.grad(lambda w: loss(w, x, "none")))(ws)
+        want = jax.grad(lambda w: loss_ref(w, x))(ws)
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
 
 
@@ -123,8 +136,9 @@ def test_residuals_uncompressed_equal_jax_grad(body_fn, maybe_jit):
     (the residuals are JAX's own; the backward runs at their dtype, float32)."""
     ws, x = _setup()
     f = lambda w: jnp.sum(hg.scan(body_fn, x, w, codec="none", save="residuals")[0] ** 2)
-    g = maybe_jit(jax.grad(f))(ws)
-    want = jax.grad(lambda w: jnp.sum(lax.scan(body_fn, x, w)[0] ** 2))(ws)
+    with highest_precision():  # two f32 programs' matmuls: no TF32 (module docstring)
+        g = maybe_jit(jax.grad(f))(ws)
+        want = jax.grad(lambda w: jnp.sum(lax.scan(body_fn, x, w)[0] ** 2))(ws)
     np.testing.assert_array_equal(g, want)
 
 
@@ -222,9 +236,10 @@ def test_delayed_scaling_through_hg_scan(maybe_jit):
 
     grad = maybe_jit(jax.grad(loss, has_aux=True))
     state = codec.init_state()
-    g0, amaxes = grad(ws, x, state)
-    # amaxes[i] = max|carry| entering step i: the input, then each block's output.
-    carries = [x] + list(lax.scan(lambda c, w: (body(c, w)[0],) * 2, x, ws)[1][:-1])
+    with highest_precision():  # two f32 forwards compared to 1e-6: no TF32 (module docstring)
+        g0, amaxes = grad(ws, x, state)
+        # amaxes[i] = max|carry| entering step i: the input, then each block's output.
+        carries = [x] + list(lax.scan(lambda c, w: (body(c, w)[0],) * 2, x, ws)[1][:-1])
     np.testing.assert_allclose(amaxes, [float(jnp.max(jnp.abs(c))) for c in carries],
                                rtol=1e-6)
     xs = jnp.stack([x, 0.5 * x])  # two microbatches
@@ -320,6 +335,7 @@ def _scan_temp(scan_fn, n=32, b=256, d=64, h=256):
     return g.lower(ps, xs).compile().memory_analysis().temp_size_in_bytes
 
 
+@cpu_only("peak temp bytes, the 1 MiB floor and the 25% margin are XLA:CPU's buffer assignment")
 def test_peak_temp_follows_saved_bytes():
     """The compiled step's peak temp shrinks with the codec's bytes, float codecs included: no
     backend-made wider copy of the stacked residual (bf16 -> f32, fp8 -> f16 on XLA:CPU, before
@@ -399,8 +415,9 @@ def test_residuals_gelu_block_saves_input_and_preactivation_only():
 def test_residuals_gelu_uncompressed_equal_jax_grad(maybe_jit):
     """Rebuilding the chains elementwise from exact values gives jax.grad's gradient."""
     p, x = _mlp_setup()
-    g = maybe_jit(jax.grad(lambda p: _mlp_loss(p, x, "none", "residuals")))(p)
-    want = jax.grad(lambda p: jnp.mean(lax.scan(mlp_body, x, p)[0] ** 2))(p)
+    with highest_precision():  # f32 vs f32 through 16 matmuls: no TF32 (module docstring)
+        g = maybe_jit(jax.grad(lambda p: _mlp_loss(p, x, "none", "residuals")))(p)
+        want = jax.grad(lambda p: jnp.mean(lax.scan(mlp_body, x, p)[0] ** 2))(p)
     for a, b in zip(g, want):
         # one f32 rounding per op, differently fused: a few ulps of the largest entry
         np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-20 * float(jnp.max(jnp.abs(b))))

@@ -1,4 +1,10 @@
-"""hifigrad.flax: linen remat_scan with a codec, NNX scan_layers; the seed's Flax example."""
+"""hifigrad.flax: linen remat_scan with a codec, NNX scan_layers; the seed's Flax example.
+
+float32 gradients compared with nnx.grad's to float32 rounding (`_assert_f32_grads_match`) are
+computed in `platforms.highest_precision()`: on an NVIDIA GPU a float32 matmul at the default
+precision is TF32, and operands that differ by a reordered float32 sum can round to TF32 values
+2**-10 apart (on CPU the context changes nothing).
+"""
 
 import importlib.util
 import pathlib
@@ -7,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from platforms import highest_precision
 
 import hifigrad as hg
 
@@ -223,7 +230,8 @@ def test_nnx_grad_f32_equals_nnx_grad(kind, jit):
     hg_fn = nnx_maybe_jit(getattr(hg.flax, kind)(_nnx_loss, has_aux=True))
     m_ref, m_hg = _nnx_net(jnp.float32), _nnx_net(jnp.float32)
     x = _nnx_x(jnp.float32)
-    with jax.numpy_dtype_promotion("standard"):  # Flax mixes dtypes implicitly
+    # highest_precision: float32 vs float32 to 64 eps32, no TF32 (module docstring)
+    with jax.numpy_dtype_promotion("standard"), highest_precision():  # Flax mixes dtypes
         for _ in range(2):
             out_ref, out_hg = ref_fn(m_ref, x), hg_fn(m_hg, x)
     if kind == "grad":  # (grads, aux)
@@ -288,7 +296,7 @@ def test_nnx_diffstate_filters_select_the_same_leaves(argnums):
             "bn_params": nnx.DiffState(0, nnx.All(nnx.Param, nnx.PathContains("bn")))}[argnums]
     m_ref, m_hg = _nnx_net(jnp.float32), _nnx_net(jnp.float32)
     x = _nnx_x(jnp.float32)
-    with jax.numpy_dtype_promotion("standard"):
+    with jax.numpy_dtype_promotion("standard"), highest_precision():  # no TF32 (docstring)
         g_ref, _ = nnx.grad(_nnx_loss, argnums=spec, has_aux=True)(m_ref, x)
         g_hg, _ = hg.flax.grad(_nnx_loss, argnums=spec, has_aux=True)(m_hg, x)
     a, b = _flat_state(g_ref), _flat_state(g_hg)
