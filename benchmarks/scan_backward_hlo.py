@@ -78,7 +78,8 @@ def computations(text):
     for line in text.splitlines():
         m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
         if m and not line.startswith(" "):
-            cur = m.group(1); comps[cur] = []
+            cur = m.group(1)
+            comps[cur] = []
         elif cur is not None and line.startswith("  "):
             comps[cur].append(line)
     return comps
@@ -134,7 +135,8 @@ def stablehlo_body_counts(text):
     for l in lines:
         m = re.match(r"\s*func\.func (?:public|private) @([\w.\-]+)\(", l)
         if m:
-            cur = m.group(1); funcs[cur] = []
+            cur = m.group(1)
+            funcs[cur] = []
         elif cur:
             funcs[cur].append(l)
     main = funcs["main"]
@@ -153,7 +155,8 @@ def stablehlo_body_counts(text):
         for l in blk:
             for f in re.findall(r"func\.call @([\w.\-]+)", l):
                 if f not in seen:
-                    seen.add(f); stack.append(funcs.get(f, []))
+                    seen.add(f)
+                    stack.append(funcs.get(f, []))
             m = re.search(r"= \"?(stablehlo|chlo)\.(\w+)\"?", l)
             if not m:
                 continue
@@ -163,7 +166,8 @@ def stablehlo_body_counts(text):
             c[op] += 1
             t = re.search(r": \(([^)]*)\) -> (.*)$", l.split(" loc(")[0])
             if op == "convert" and t:
-                src = t.group(1).split("x")[-1].rstrip(">"); out = t.group(2)
+                src = t.group(1).split("x")[-1].rstrip(">")
+                out = t.group(2)
                 dst = out.split("x")[-1].rstrip(">")
                 c[f"convert {src}->{dst}"] += 1
                 c["convert elements"] += nel(re.findall(r"(\d+)x", out))

@@ -49,7 +49,8 @@ class Policy:
         default precision runs a float32 matmul on TF32 tensor cores (10 mantissa bits), so
         "exact" there means float32 operands multiplied in TF32 unless this is ``'highest'``.
         ``'highest'`` makes them true float32 multiplies (slower on GPUs: an f32 model's step
-        took 2.5x as long at 'highest' on an H200); ``'default'`` / ``'high'`` as in `lax.Precision`.
+        took 2.5x as long at 'highest' on an H200); ``'default'`` / ``'high'`` as in
+        `lax.Precision`.
       unsupported: what to do with a cotangent-carrying primitive that cannot run promoted (no
         rule names it and the evidence that re-binding it at promoted dtypes is exact is
         missing; see `hifigrad._src.rules`): ``'fallback'`` (default) runs it at its own dtype
