@@ -1287,9 +1287,12 @@ def _(x):
 def _(x):
     s = jax.scipy.special
     p = 1 + x * x
-    return (s.i0e(x) + s.i1e(x) + s.i0(x) * 0.1 + s.i1(x) + lax.bessel_i0e(x) + s.xlogy(p, p)
-            + s.xlog1py(p, p) + s.entr(0.5 + 0.3 * jnp.tanh(x)) + s.logit(0.5 + 0.3 * jnp.tanh(x))
-            + s.expit(x) + s.zeta(2 + p, 1.0 + 0 * p) * 0.1)
+    # zeta in float32: its series casts Bernoulli numbers to the input dtype, which overflow
+    # fp16 (numpy's "overflow encountered in cast", an error under the suite's filters).
+    return ((s.i0e(x) + s.i1e(x) + s.i0(x) * 0.1 + s.i1(x) + lax.bessel_i0e(x) + s.xlogy(p, p)
+             + s.xlog1py(p, p) + s.entr(0.5 + 0.3 * jnp.tanh(x))
+             + s.logit(0.5 + 0.3 * jnp.tanh(x)) + s.expit(x)).astype(_F32)
+            + s.zeta(_f32(2 + p), _f32(1.0 + 0 * p)) * 0.1)
 
 
 @op("scipy_special_logsumexp_softmax", (3, 4))
