@@ -26,6 +26,25 @@ The default run is fixed (derandomized, no example database) and sized to about 
 Python version on 2 CPU cores; ``HIFIGRAD_FUZZ_EXAMPLES=N`` runs the `slow`-marked long version
 with N random (not derandomized) programs per property.
 
+Properties 1, 2 and 4 are claims about float32 backward matmuls, so they run in
+`platforms.highest_precision()` (on an NVIDIA GPU a default-precision float32 matmul is TF32:
+2**-10, far above both tolerances), and properties 2 and 4 with ``Policy(matmul='exact')``: on a
+GPU the default 'auto' is 'fast' for bf16 matmuls, which rounds the cotangent to bf16, the very
+error property 2 rules out. On CPU both are what the default already does.
+
+CPU-only claims (`platforms.cpu_only`):
+
+| test | why only on XLA:CPU |
+| --- | --- |
+| `test_fuzz_low_precision_matches_float64_backward` | property 2: two programs' bf16 residuals |
+| `test_fuzz_long_low_precision`, `test_fuzz_every_table_op` | property 2 as well (slow suite) |
+
+Property 2's float32 and float64 backwards are two compiled programs over the same forward;
+their low-precision residuals (derivative coefficients such as ``1 - tanh(x)**2``, rounded to
+bf16 in the forward) are equal only if every bf16/fp16 op rounds its result, which XLA:CPU
+does with ``--xla_allow_excess_precision=false`` and XLA:GPU may not. (Measured: with the flag
+true, ``sum(tanh(x) * w)`` in bf16 differs by 2.6e-4 relative, over a tolerance of 1.9e-6.)
+
 Every failure the fuzzer found was shrunk and is kept below as a plain regression test with the
 minimal program written out.
 """
@@ -45,6 +64,7 @@ from hypothesis import note as _hnote
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from jax import lax  # noqa: F401  (used by the programs written out below)
+from platforms import cpu_only, highest_precision
 
 import hifigrad as hg
 
@@ -84,12 +104,13 @@ def check_f32(make, inputs, seed, *, tree=False, jit=True):
     binding = prog.binding(all_f32=True)
     f = make(*(binding[n] for n in fp.FACTORY_ARGS))
     args, argnums = prog.call_args(fp.make_args(inputs, binding, seed))
-    try:
-        want = _maybe_jit(jax.grad(f, argnums), jit)(*args)
-    except Exception as e:  # noqa: BLE001 - property 1 is only defined where jax.grad works
-        note(f"jax.grad fails: {type(e).__name__}: {e}")
-        return False
-    got = _maybe_jit(hg.grad(f, argnums), jit)(*args)
+    with highest_precision():  # f32 vs f32 to 1e-6: no TF32 (module docstring)
+        try:
+            want = _maybe_jit(jax.grad(f, argnums), jit)(*args)
+        except Exception as e:  # noqa: BLE001 - property 1 is only defined where jax.grad works
+            note(f"jax.grad fails: {type(e).__name__}: {e}")
+            return False
+        got = _maybe_jit(hg.grad(f, argnums), jit)(*args)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     w_leaves, g_leaves = _leaves(want), _leaves(got)
     scale = max([float(np.max(np.abs(w), initial=0)) for w in w_leaves] + [1e-30])
@@ -108,12 +129,19 @@ def check_low(make, inputs, dtypes, seed, *, ops=16, tree=False, jit=True,
               coefficients="forward", precise_backward=False):
     """Properties 2-4 with dtype names bound to `dtypes` (e.g. ("bf16", "f16", "f32")).
     Returns False when jax.grad and hg.grad both reject the program, else True."""
+    with highest_precision():  # f32 vs f64 backward matmuls: no TF32 (module docstring)
+        return _check_low(make, inputs, dtypes, seed, ops=ops, tree=tree, jit=jit,
+                          coefficients=coefficients, precise_backward=precise_backward)
+
+
+def _check_low(make, inputs, dtypes, seed, *, ops, tree, jit, coefficients, precise_backward):
     prog = fp.Program("", tuple(inputs), tuple(dtypes), seed, ops, 0, tree)
     binding = prog.binding()
     f = make(*(binding[n] for n in fp.FACTORY_ARGS))
     flat_args = fp.make_args(inputs, binding, seed)
     args, argnums = prog.call_args(flat_args)
-    policy = hg.Policy(coefficients=coefficients)
+    # 'exact': the claim is a float32 backward's (module docstring); 'auto' on CPU.
+    policy = hg.Policy(matmul="exact", coefficients=coefficients)
     try:
         jax.eval_shape(jax.grad(f, argnums), *args)
         jax_ok = True
@@ -137,7 +165,8 @@ def check_low(make, inputs, dtypes, seed, *, ops=16, tree=False, jit=True,
     for g in _leaves(g32):
         assert g.dtype == F32, g.dtype
     with jax.enable_x64(True):
-        policy64 = hg.Policy(tangent_dtype=jnp.float64, coefficients=coefficients)
+        policy64 = hg.Policy(tangent_dtype=jnp.float64, matmul="exact",
+                             coefficients=coefficients)
         value64, g64 = _maybe_jit(hg.value_and_grad(f, argnums, policy=policy64), jit)(*args)
         g64 = jax.tree_util.tree_map(np.asarray, g64)
     assert np.asarray(value64).tobytes() == np.asarray(value).tobytes(), (value64, value)
@@ -189,6 +218,10 @@ def _low_property(prog, jit, coefficients, precise):
               tree=prog.tree, jit=jit, coefficients=coefficients, precise_backward=precise)
 
 
+_EXCESS = ("the f32 and f64 backwards are two programs whose bf16/fp16 residuals agree only "
+           "without excess precision")
+
+
 _JIT = st.sampled_from([True, True, True, False])  # mostly jitted: eager runs are slower
 _COEF = st.sampled_from(["forward", "forward", "tangent"])
 
@@ -199,6 +232,7 @@ def test_fuzz_f32_hg_grad_equals_jax_grad(prog, jit):
     _f32_property(prog, jit)
 
 
+@cpu_only(_EXCESS)
 @_settings(DEFAULT_EXAMPLES["low"])
 @given(prog=fp.programs(), jit=_JIT, coefficients=_COEF, precise=st.booleans())
 def test_fuzz_low_precision_matches_float64_backward(prog, jit, coefficients, precise):
@@ -216,6 +250,7 @@ def test_fuzz_long_f32(prog, jit):
     _f32_property(prog, jit)
 
 
+@cpu_only(_EXCESS)
 @pytest.mark.slow
 @_long
 @_settings(max(LONG_EXAMPLES, 1), derandomize=False)
@@ -267,6 +302,7 @@ def test_fuzzer_draws_from_the_program_table():
     assert seen and all("OPS['jnp_stack_unstack']" in src for src in seen)
 
 
+@cpu_only(_EXCESS)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", fp.TABLE_OPS)
 def test_fuzz_every_table_op(name):
