@@ -1,4 +1,4 @@
-"""Core benchmark (issue 2): `hg.grad` vs `jax.grad` on a 12-block scanned transformer.
+"""Core benchmark: `hg.grad` vs `jax.grad` on a 12-block scanned transformer.
 
 Rows (all differentiate the same loss with respect to float32 master parameters, which the
 model casts to its compute dtype inside):
@@ -470,7 +470,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - t_start
 
     md = [
-        "# Core benchmark (issue 2): hg.grad vs jax.grad, 12-block scanned transformer, CPU",
+        "# Core benchmark: hg.grad vs jax.grad, 12-block scanned transformer, CPU",
         "",
         f"- date: {env['date']}",
         f"- command: `{env['command']}` (from the repository root)",
@@ -492,7 +492,7 @@ def main(argv=None):
         "",
         md_table(["ratio", "value"], ratio_rows),
         "",
-        "## Targets (issue 2)",
+        "## Targets",
         "",
         md_table(["target", "measured", "result"], target_rows),
         "",

@@ -1,4 +1,4 @@
-"""Fidelity benchmark (issue 10): gradient SQNR vs the float32 model across model families.
+"""Fidelity benchmark: gradient SQNR vs the float32 model across model families.
 
 Each row is a model with float32 master parameters that the loss casts to the compute dtype
 (inputs too), with the loss itself in float32. For each row the gradient with respect to the
@@ -339,7 +339,7 @@ def markdown(results: dict) -> str:
     under = [[r["name"], _pct(r["ref_zero_frac"]), *[_pct(r["underflow_frac"].get(m))
                                                      for m in METHODS]] for r in rows]
     lines = [
-        "# Fidelity benchmark (issue 10): gradient SQNR vs the float32 model", "",
+        "# Fidelity benchmark: gradient SQNR vs the float32 model", "",
         f"Command: `{env['command']}`  ",
         f"Date: {env['date']}; JAX {env['jax']} (jaxlib {env['jaxlib']}), Python "
         f"{env['python']}, backend {env['backend']}; {env['cpu']}; "

@@ -1,7 +1,7 @@
-"""Memory benchmark (issues 3 and 12): peak memory of a training step with compressed activation
+"""Memory benchmark: peak memory of a training step with compressed activation
 checkpoints, where the saved activations dominate.
 
-The model is issue 12's: ``--blocks`` (64) scanned pre-LN GELU-MLP blocks
+The model: ``--blocks`` (64) scanned pre-LN GELU-MLP blocks
 ``c + W2 gelu(W1 LN(c))`` (LayerNorm without affine parameters, no biases; d=256, hidden 1024,
 float32 weights stacked per block), batch 1024, loss ``mean(c**2)`` of the last carry; the
 measured program is ``jax.jit(jax.grad(loss))``. Its float32 carries total 64 MiB, one
@@ -493,16 +493,16 @@ def main(argv=None):
     for codec, lim in (("int8", 2.3), ("int4", 3.0)):
         target(f"max batch in {args.budget_mib:g} MiB, hg.scan {codec} >= {lim}x f32 remat",
                get(f"hg.scan {codec}", "batch_ratio"), lambda v, lim=lim: v >= lim, "{:.2f}")
-    # Issue 3's targets, on this model.
+    # The saved-bytes and SQNR targets, on this model.
     for codec, lim in (("fp8_e4m3", 0.30), ("fp8_e5m2", 0.30), ("int8", 0.30), ("int4", 0.16),
                        ("int2", 0.09)):
-        target(f"(issue 3) saved bytes hg.scan {codec} <= {lim}x f32 remat",
+        target(f"saved bytes hg.scan {codec} <= {lim}x f32 remat",
                get(f"hg.scan {codec}", "saved_ratio"), lambda v, lim=lim: v <= lim)
     for codec, lim in (("fp8_e4m3", 20.0), ("fp8_e5m2", 20.0), ("int8", 25.0)):
-        target(f"(issue 3) grad SQNR hg.scan {codec} >= {lim:.0f} dB",
+        target(f"grad SQNR hg.scan {codec} >= {lim:.0f} dB",
                get(f"hg.scan {codec}", "sqnr_db"), lambda v, lim=lim: v >= lim, "{:.1f} dB")
     a, b = get("hg.scan fp8_e4m3", "sqnr_db"), get(SEED, "sqnr_db")
-    target("(issue 3) fp8 saved + f32 grads beats the seed workaround (fp8 grads) by >= 10 dB",
+    target("fp8 saved + f32 grads beats the seed workaround (fp8 grads) by >= 10 dB",
            None if a is None or b is None else a - b, lambda v: v >= 10.0, "{:+.1f} dB")
 
     # ------------------------------------------------------------------ report
@@ -549,14 +549,14 @@ def main(argv=None):
     if args.plot:
         plot(rows, budget, args.plot)
     md = [
-        "# Memory benchmark (issues 3 and 12): peak memory of a training step, CPU",
+        "# Memory benchmark: peak memory of a training step, CPU",
         "",
         f"- date: {env['date']}",
         f"- command: `{env['command']}` (from the repository root)",
         f"- jax {env['jax']}, jaxlib {env['jaxlib']}, Python {env['python']}, backend "
         f"{env['backend']}",
         f"- CPU: {env['cpu']}",
-        f"- model (issue 12's): {args.blocks} scanned pre-LN GELU-MLP blocks `c + W2 gelu(W1 "
+        f"- model: {args.blocks} scanned pre-LN GELU-MLP blocks `c + W2 gelu(W1 "
         f"LN(c))` (LayerNorm without affine parameters, no biases; d={args.d}, "
         f"hidden={args.hidden}), float32 weights, loss `mean(c**2)` of the last carry; "
         f"measured program `jax.jit(jax.grad(loss))`; total run {elapsed:.0f}s.",
