@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from platforms import on_cpu
 
 import hifigrad
 from hifigrad.__main__ import main
@@ -130,8 +131,13 @@ def test_recurrent_length_sweep_is_measured_against_f32(recurrent):
     for name, ys in sweep["sqnr_db"].items():
         assert all(isinstance(y, float) and math.isfinite(y) for y in ys), name
         # At the training length the sweep is the training run's step-0 measurement (same
-        # parameters, same batch, same compiled program).
-        assert ys[-1] == pytest.approx(rows[name]["sqnr_step0_db"], abs=1e-9), name
+        # parameters, same batch, same compiled program). Off CPU the program's second run may
+        # differ in the last float32 bits (a GPU's scatter-add of the embedding gradient may
+        # use atomics, summing in another order): a normwise change of the gradient of 1e-7
+        # (a few float32 roundings) moves an SQNR of at most 60 dB by under 1e-3 dB (20 log10(1
+        # + 1e-7 / 1e-3)); another batch or program moves it by far more.
+        assert ys[-1] == pytest.approx(rows[name]["sqnr_step0_db"],
+                                       abs=1e-9 if on_cpu() else 1e-3), name
     # The claim the task exists to show, at the longest length measured here.
     assert sweep["sqnr_db"]["bf16-hg"][-1] > sweep["sqnr_db"]["bf16"][-1]
 
