@@ -10,6 +10,7 @@ TF32, and the two programs' operands, equal to a few float32 ulps, can round to 
 | --- | --- |
 | `test_peak_temp_follows_saved_bytes` | temp bytes and their floor, measured on XLA:CPU |
 | `test_peak_temp_is_saved_bytes_plus_one_block_on_every_release` | XLA:CPU's buffer sizes |
+| `test_residuals_backward_needs_no_more_working_memory_than_inputs` | XLA:CPU's buffer sizes |
 """
 
 import jax
@@ -373,6 +374,43 @@ def test_peak_temp_is_saved_bytes_plus_one_block_on_every_release():
     bound = saved + 3 * hidden + 8 * carry
     assert t <= bound, (f"peak temp {t / carry:.2f} carries > bound {bound / carry:.2f} "
                         f"(saved {saved / carry:.2f} + 3 hidden + 8 carries)")
+
+
+def _saved_scan_bytes(save, codec, n, b, d, h):
+    """Bytes the forward of `_scan_temp`'s model saves for the backward, the arguments aside
+    (the leaves of the vjp function that are not the parameters or the input)."""
+    rng = np.random.default_rng(0)
+    ps = (jnp.asarray(rng.normal(size=(n, d, h)), jnp.float32),
+          jnp.asarray(rng.normal(size=(n, h, d)), jnp.float32))
+    x = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
+
+    def block(c, p):
+        mu = jnp.mean(c, -1, keepdims=True)
+        z = (c - mu) * lax.rsqrt(jnp.mean((c - mu) ** 2, -1, keepdims=True) + 1e-5)
+        return c + jax.nn.gelu(z @ p[0]) @ p[1], None
+
+    _, f_vjp = jax.vjp(lambda p, x: hg.scan(block, x, p, codec=codec, save=save)[0], ps, x)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(f_vjp)
+               if not any(leaf is a for a in (*ps, x)))
+
+
+@cpu_only("peak temp bytes are what XLA:CPU's scheduler and buffer assignment allocate")
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_residuals_backward_needs_no_more_working_memory_than_inputs(name):
+    """save="residuals" recomputes a subset of what save="inputs" recomputes (the elementwise
+    chains from their saved inputs, no matmul), so its backward's working set (peak temp less
+    the saved bytes) is at most save="inputs"'s, on whatever JAX release runs it. Measured on
+    `_scan_temp`'s model (n=8, b=256, d=64, h=256), in carries (int8: residuals / inputs):
+    16.25 / 17.07 (0.10.2), 18.03 / 19.07 (0.11.2); 20.03 on 0.11.2 before the residuals
+    backward ran its freeing contractions first (`_freeing_first`), over the bound."""
+    n, b, d, h = 8, 256, 64, 256
+    carry = b * d * 4
+    work = {}
+    for save in ("inputs", "residuals"):
+        t = _scan_temp(lambda f, x, p, s=save: hg.scan(f, x, p, codec=name, save=s)[0],
+                       n=n, b=b, d=d, h=h)
+        work[save] = (t - _saved_scan_bytes(save, name, n, b, d, h)) / carry
+    assert work["residuals"] <= work["inputs"], work
 
 
 # ------------------------------------------- save="residuals": one tensor per chain (issue 12)
