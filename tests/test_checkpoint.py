@@ -322,17 +322,19 @@ def test_float_codec_gradients_bitwise_as_float_storage(name, maybe_jit):
         np.testing.assert_array_equal(grad(codec), grad(_FloatStored(codec)))
 
 
-def _scan_temp(scan_fn, n=32, b=256, d=64, h=256):
-    """Peak temp bytes of the compiled gradient of a scanned pre-LN GELU MLP (compile only)."""
-    def block(c, p):
-        mu = jnp.mean(c, -1, keepdims=True)
-        z = (c - mu) * lax.rsqrt(jnp.mean((c - mu) ** 2, -1, keepdims=True) + 1e-5)
-        return c + jax.nn.gelu(z @ p[0]) @ p[1], None
+def mlp_body(c, p):
+    """A pre-LN tanh-GELU MLP block with a residual connection."""
+    mu = jnp.mean(c, -1, keepdims=True)
+    z = (c - mu) * lax.rsqrt(jnp.mean((c - mu) ** 2, -1, keepdims=True) + 1e-5)
+    return c + jax.nn.gelu(z @ p[0]) @ p[1], None
 
+
+def _scan_temp(scan_fn, n=32, b=256, d=64, h=256):
+    """Peak temp bytes of the compiled gradient of `mlp_body` scanned (compile only)."""
     ps = (jax.ShapeDtypeStruct((n, d, h), jnp.float32), jax.ShapeDtypeStruct((n, h, d),
                                                                                jnp.float32))
     xs = jax.ShapeDtypeStruct((b, d), jnp.float32)
-    g = jax.jit(jax.grad(lambda p, x: jnp.mean(scan_fn(block, x, p) ** 2)))
+    g = jax.jit(jax.grad(lambda p, x: jnp.mean(scan_fn(mlp_body, x, p) ** 2)))
     return g.lower(ps, xs).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -383,13 +385,7 @@ def _saved_scan_bytes(save, codec, n, b, d, h):
     ps = (jnp.asarray(rng.normal(size=(n, d, h)), jnp.float32),
           jnp.asarray(rng.normal(size=(n, h, d)), jnp.float32))
     x = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
-
-    def block(c, p):
-        mu = jnp.mean(c, -1, keepdims=True)
-        z = (c - mu) * lax.rsqrt(jnp.mean((c - mu) ** 2, -1, keepdims=True) + 1e-5)
-        return c + jax.nn.gelu(z @ p[0]) @ p[1], None
-
-    _, f_vjp = jax.vjp(lambda p, x: hg.scan(block, x, p, codec=codec, save=save)[0], ps, x)
+    _, f_vjp = jax.vjp(lambda p, x: hg.scan(mlp_body, x, p, codec=codec, save=save)[0], ps, x)
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(f_vjp)
                if not any(leaf is a for a in (*ps, x)))
 
@@ -423,13 +419,6 @@ def _mlp_setup():
     p = (jnp.asarray(rng.normal(size=(L, D, H)) / np.sqrt(D), jnp.float32),
          jnp.asarray(rng.normal(size=(L, H, D)) / np.sqrt(H) / np.sqrt(L), jnp.float32))
     return p, jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
-
-
-def mlp_body(c, p):
-    """A pre-LN tanh-GELU MLP block with a residual connection."""
-    mu = jnp.mean(c, -1, keepdims=True)
-    z = (c - mu) * lax.rsqrt(jnp.mean((c - mu) ** 2, -1, keepdims=True) + 1e-5)
-    return c + jax.nn.gelu(z @ p[0]) @ p[1], None
 
 
 def _mlp_loss(p, x, codec, save):
