@@ -10,6 +10,7 @@ from ._src.api import vjp as vjp
 from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
 from ._src.codecs import get_codec as get_codec
+from ._src.compress import compress_checkpoints as compress_checkpoints
 from ._src.compat import JaxCompatibilityError as JaxCompatibilityError
 from ._src.compat import UntestedJaxWarning as UntestedJaxWarning
 from ._src.compat import check_jax_version as _check_jax_version
@@ -43,6 +44,7 @@ __all__ = [
     "PrecisionFallbackWarning",
     "checkpoint",
     "codecs",
+    "compress_checkpoints",
     "fidelity_report",
     "get_codec",
     "JaxCompatibilityError",

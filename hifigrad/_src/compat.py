@@ -177,6 +177,7 @@ remat_p = _find("jax._src.ad_checkpoint", "remat_p")
 custom_jvp_call_p = _find("jax._src.custom_derivatives", "custom_jvp_call_p")
 custom_vjp_call_p = _find("jax._src.custom_derivatives", "custom_vjp_call_p")
 custom_lin_p = _ad.custom_lin_p
+closed_call_p = _find("jax._src.core", "closed_call_p")
 linear_call_p = _find("jax._src.custom_derivatives", "linear_call_p")
 linear_solve_p = _find("jax._src.lax.control_flow.solves", "linear_solve_p")
 shard_map_p = _find("jax._src.shard_map", "shard_map_p")
