@@ -408,3 +408,61 @@ def test_second_order(maybe_jit):
     hb = maybe_jit(hg.grad(lambda x: jnp.sum(hg.grad(f)(x))))(x.astype(jnp.bfloat16))
     assert hb.dtype == jnp.float32
     np.testing.assert_allclose(hb, want, rtol=0.05, atol=0.05)
+
+
+# --------------------------------------------------------------------------- non-float leaves
+
+
+def _keyed_loss(p):
+    w, key = p
+    noise = jax.random.normal(key, w.shape, w.dtype)
+    return jnp.sum((w * noise).astype(jnp.float32) ** 2)
+
+
+def test_typed_prng_key_leaves_flow_as_non_differentiable_values(maybe_jit):
+    """A typed key (jax.random.key) in the differentiated pytree is passed through as it is and
+    gets a float0 gradient, as under jax.grad(allow_int=True); float leaves beside it get their
+    gradient (equal to jax.grad's in float32, where dtypes are equal)."""
+    key = jax.random.key(3)
+    w = jnp.linspace(-1, 1, 4, dtype=jnp.float32)
+    got = maybe_jit(hg.grad(_keyed_loss, allow_int=True))((w, key))
+    want = jax.grad(_keyed_loss, allow_int=True)((w, key))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert got[1].dtype == jax.dtypes.float0 and got[1].shape == key.shape
+    gb = maybe_jit(hg.grad(_keyed_loss, allow_int=True))((w.astype(jnp.bfloat16), key))
+    assert gb[0].dtype == jnp.float32 and gb[1].dtype == jax.dtypes.float0
+
+
+def test_typed_prng_keys_through_vjp_and_precise_backward(maybe_jit):
+    key = jax.random.key(0)
+    keys = jax.random.split(key, 2)
+    w = jnp.linspace(-1, 1, 4, dtype=jnp.bfloat16)
+
+    def f(w, keys):  # a key output, too
+        return jnp.sum(w * jax.random.normal(keys[0], w.shape, w.dtype)), jax.random.split(keys[1])
+
+    def run(w, keys):
+        (y, k2), f_vjp = hg.vjp(f, w, keys)
+        return y, k2, f_vjp((jnp.float32(1), np.zeros(k2.shape, jax.dtypes.float0)))
+
+    y, k2, (gw, gk) = maybe_jit(run)(w, keys)
+    assert jax.dtypes.issubdtype(k2.dtype, jax.dtypes.prng_key) and k2.shape == (2,)
+    noise = jax.random.normal(keys[0], w.shape, w.dtype)
+    np.testing.assert_array_equal(gw, noise.astype(jnp.float32))  # d(sum(w*n))/dw = n, exactly
+    assert gw.dtype == jnp.float32 and gk.dtype == jax.dtypes.float0 and gk.shape == (2,)
+
+    pb = hg.precise_backward(lambda w32, k: jnp.sum(
+        w32.astype(jnp.bfloat16) * jax.random.normal(k, w32.shape, jnp.bfloat16)))
+    g = maybe_jit(jax.grad(lambda w32, k: pb(w32, k).astype(jnp.float32)))(
+        w.astype(jnp.float32), key)
+    np.testing.assert_array_equal(
+        g, jax.random.normal(key, w.shape, jnp.bfloat16).astype(jnp.float32))
+
+
+def test_float0_leaves_are_passed_through_vjp(maybe_jit):
+    z = np.zeros(3, jax.dtypes.float0)
+    w = jnp.ones(3, jnp.bfloat16)
+    y, f_vjp = hg.vjp(lambda w, z: jnp.sum(w * w), w, z)
+    gw, gz = maybe_jit(f_vjp)(jnp.float32(1))
+    np.testing.assert_array_equal(gw, np.full(3, 2.0, np.float32))
+    assert gz.dtype == jax.dtypes.float0 and gz.shape == (3,)

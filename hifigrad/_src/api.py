@@ -21,6 +21,7 @@ cotangent for a bf16 input, inside `lax.scan`) work.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 
 import jax
@@ -30,7 +31,13 @@ from jax import lax
 from jax.tree_util import Partial, tree_flatten, tree_unflatten
 
 from . import compat
-from .dtypes import check_primal_dtypes, is_real_float, promoted_dtype
+from .dtypes import (
+    check_primal_dtypes,
+    check_tangent_dtype_enabled,
+    is_extended,
+    is_real_float,
+    promoted_dtype,
+)
 from .interpreter import Interpreter, RuleTable
 from .policy import Policy, resolve_policy
 from .rules import PROMOTE
@@ -39,10 +46,19 @@ __all__ = ["vjp", "grad", "value_and_grad", "precise_backward"]
 
 
 def _is_diff(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    return _is_inexact(_dtype_of(x))
+
+
+def _is_inexact(dtype) -> bool:
+    """Float and complex dtypes: the ones that carry a tangent. Integers, bool, float0 and
+    extended dtypes (typed PRNG keys) are passed through as non-differentiable values."""
+    return not is_extended(dtype) and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _dtype_of(x):
+    dt = getattr(x, "dtype", None)
+    if dt is not None and is_extended(dt):
+        return dt  # a typed PRNG key: no NumPy dtype
     return np.dtype(jnp.result_type(x))
 
 
@@ -94,7 +110,7 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
     in_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.tangent_avals]
     # Integer and bool outputs have float0 tangents: no cotangent flows back from them, and
     # `linear_transpose` only takes float -> float functions, so they are left out.
-    keep = [_is_diff(np.zeros((), a.dtype)) for a in static.out_avals]
+    keep = [_is_inexact(a.dtype) for a in static.out_avals]
     cts = [lax.convert_element_type(c, d) if is_real_float(d) else c
            for c, d, k in zip(cts, out_up, keep) if k]
 
@@ -122,7 +138,7 @@ def _check_ct(ct_flat, out_avals, policy):
                 f"cotangent {i} has shape {np.shape(c)}, but the output it pairs with has shape "
                 f"{tuple(a.shape)}.")
         d = _dtype_of(c)
-        allowed = {np.dtype(a.dtype), promoted_dtype(a.dtype, policy.tangent_dtype)}
+        allowed = {a.dtype, promoted_dtype(a.dtype, policy.tangent_dtype)}
         if not is_real_float(a.dtype):
             allowed.add(np.dtype(jax.dtypes.float0))
         if d not in allowed and not (is_real_float(d) and is_real_float(a.dtype)):
@@ -170,6 +186,9 @@ def vjp(fun: Callable, *primals, has_aux: bool = False, tangent_dtype=None,
 
 def _vjp(fun, primals, has_aux, policy, table):
     flat, in_tree = tree_flatten(primals)
+    for x in flat:
+        _check_arg(x)
+    check_tangent_dtype_enabled(policy.tangent_dtype)
     check_primal_dtypes([_dtype_of(x) for x in flat], policy.tangent_dtype)
     diff = [_is_diff(x) for x in flat]
     diff_vals = [jnp.asarray(x) for x, d in zip(flat, diff) if d]
@@ -180,8 +199,11 @@ def _vjp(fun, primals, has_aux, policy, table):
         full = [next(it) if d else x for x, d in zip(flat, diff)]
         out = fun(*tree_unflatten(in_tree, full))
         if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError("has_aux=True requires fun to return a pair (output, aux).")
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    f"expected function with aux output to return a two-element tuple, but got "
+                    f"type {type(out)}: has_aux=True requires fun to return a pair "
+                    f"(output, aux).")
             out, aux = out
         out_flat, out_tree = tree_flatten(out)
         out_tree_box.append(out_tree)
@@ -220,27 +242,85 @@ def _vjp_apply(info: _VjpInfo, backward, ct):
 # ------------------------------------------------------------------------------ grad
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
-    if isinstance(argnums, int):
-        return (argnums,)
-    if isinstance(argnums, (tuple, list)) and all(isinstance(a, int) for a in argnums):
-        return tuple(argnums)
-    raise TypeError(f"argnums must be an int or a tuple of ints; got {argnums!r}.")
+    """``argnums`` as `jax.grad` accepts it: an int (Python, NumPy or bool, as
+    `operator.index` takes it) or a sequence of them. Positions are checked at call time."""
+    try:
+        return (operator.index(argnums),)
+    except TypeError:
+        pass
+    if isinstance(argnums, (tuple, list)):
+        try:
+            return tuple(operator.index(a) for a in argnums)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"argnums must be an int or a sequence of ints (which positional arguments to "
+        f"differentiate); got {argnums!r} of type {type(argnums).__name__}.")
 
 
-def _check_grad_input(x, allow_int):
-    dt = _dtype_of(x)
-    if jnp.issubdtype(dt, jnp.inexact):
-        return
-    if allow_int and (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.bool_)):
+def _resolve_argnums(argnums, nums: tuple[int, ...], n_args: int) -> tuple[int, ...]:
+    """The positions ``nums`` names among ``n_args`` positional arguments, negative ones counted
+    from the end; raises what `jax.grad` raises for an empty, out-of-range or repeated one."""
+    if not nums:
+        raise ValueError(
+            f"argnums={argnums!r} selects no argument to differentiate: pass at least one "
+            f"position, for example argnums=0.")
+    for i in nums:
+        if i < -n_args:
+            raise ValueError(
+                f"argnums={argnums!r}: position {i} is out of range for {n_args} positional "
+                f"arguments; positions must be >= -{n_args} (counting from the end) and < "
+                f"{n_args}.")
+    if max(nums) >= n_args:
+        raise TypeError(
+            f"differentiating with respect to argnums={argnums!r} requires at least "
+            f"{max(nums) + 1} positional arguments to be passed by the caller, but got only "
+            f"{n_args} positional arguments.")
+    pos = tuple(i % n_args for i in nums)
+    for j, p in enumerate(pos):
+        if p in pos[:j]:
+            raise TypeError(
+                f"argnums={argnums!r} names positional argument {p} more than once: each "
+                f"argument can be differentiated once (jax.grad rejects this too). To get its "
+                f"gradient twice, differentiate it once and reuse the result.")
+    return pos
+
+
+def _check_arg(x) -> None:
+    """Raises `jax.grad`'s TypeError for a leaf that is not an array or a scalar."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or hasattr(
+            x, "__jax_array__"):
         return
     raise TypeError(
-        f"grad requires real- or complex-valued inputs (input dtype that is a sub-dtype of "
-        f"np.inexact), but got {dt.name}. If you want to use Boolean- or integer-valued inputs, "
-        f"use vjp or set allow_int to True.")
+        f"Argument {x!r} of type {type(x)} is not a valid JAX type: every leaf of a "
+        f"differentiated argument must be an array or a scalar. Pass other values outside the "
+        f"differentiated arguments (close over them, or put them in an argument not in "
+        f"argnums), or make them static pytree metadata.")
+
+
+def _check_grad_input(x, allow_int, holomorphic=False):
+    """`jax.grad`'s check of one differentiated input leaf (same types and messages)."""
+    _check_arg(x)
+    dt = _dtype_of(x)
+    if holomorphic and not (not is_extended(dt) and jnp.issubdtype(dt, jnp.complexfloating)):
+        raise TypeError(
+            f"grad with holomorphic=True requires inputs with complex dtype, but got {dt.name}.")
+    if is_extended(dt) or jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.bool_):
+        if not allow_int:
+            raise TypeError(
+                f"grad requires real- or complex-valued inputs (input dtype that is a sub-dtype "
+                f"of np.inexact), but got {dt.name}. If you want to use Boolean- or "
+                f"integer-valued inputs, use vjp or set allow_int to True.")
+    elif not jnp.issubdtype(dt, jnp.inexact):
+        raise TypeError(
+            f"grad requires numerical-valued inputs (input dtype that is a sub-dtype of np.bool_ "
+            f"or np.number), but got {dt.name}: float0 values (the tangents of integers) cannot "
+            f"be differentiated; pass them outside argnums.")
 
 
 def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_dtype=None,
-                   policy: Policy | None = None, allow_int: bool = False):
+                   policy: Policy | None = None, allow_int: bool = False,
+                   holomorphic: bool = False):
     """Like `jax.value_and_grad`, with the backward pass in ``tangent_dtype`` (default f32).
 
     The gradient of a float input has dtype ``promote_types(input dtype, tangent_dtype)``: float32
@@ -252,8 +332,10 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
       has_aux: whether ``fun`` returns ``(output, aux)``.
       tangent_dtype: the dtype cotangents are held in (default float32).
       policy: a `hifigrad.Policy`; ``tangent_dtype`` may be given here instead.
-      allow_int: accept integer and bool inputs at ``argnums`` (their gradients are float0
-        zeros), as in `jax.grad`.
+      allow_int: accept integer, bool and typed PRNG key inputs at ``argnums`` (their
+        gradients are float0 zeros), as in `jax.grad`.
+      holomorphic: ``fun`` is holomorphic: complex inputs and a complex output, as in
+        `jax.grad` (complex values are not promoted).
 
     Returns:
       A function with ``fun``'s signature that returns ``(value, grads)``, or
@@ -261,10 +343,13 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
       argument at ``argnums`` (a tuple of them for a tuple ``argnums``).
 
     Raises:
-      TypeError: (when called) an input at ``argnums`` is not floating point (without
-        ``allow_int``), ``fun``'s output is not a real scalar, or ``argnums`` is invalid.
-      ValueError: ``tangent_dtype`` is less precise than a float input, or conflicts with
-        ``policy.tangent_dtype``.
+      TypeError: ``fun`` is not callable; ``argnums`` is not an int or a sequence of ints;
+        (when called) an input at ``argnums`` is not floating point (without ``allow_int``),
+        ``fun``'s output is not a real scalar, or ``argnums`` names a missing or repeated
+        position — the errors `jax.grad` raises.
+      ValueError: ``tangent_dtype`` is less precise than a float input, conflicts with
+        ``policy.tangent_dtype``, or is float64 with JAX's 64-bit mode off; (when called)
+        ``argnums`` is empty or a negative position is out of range.
 
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
@@ -272,19 +357,17 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
       >>> v.dtype, g.dtype
       (dtype(bfloat16), dtype('float32'))
     """
+    if not callable(fun):
+        raise TypeError(f"Expected a callable value, got {fun!r}")
     policy = resolve_policy(policy, tangent_dtype)
-    nums = _argnums_tuple(argnums)
+    nums_given = _argnums_tuple(argnums)
 
     @functools.wraps(fun)
     def value_and_grad_f(*args, **kwargs):
-        if max(nums) >= len(args):
-            raise TypeError(
-                f"differentiating with respect to argnums={argnums} requires at least "
-                f"{max(nums) + 1} positional arguments to be passed by the caller, but got only "
-                f"{len(args)} positional arguments.")
+        nums = _resolve_argnums(argnums, nums_given, len(args))
         dyn = [args[i] for i in nums]
         for leaf in jax.tree_util.tree_leaves(dyn):
-            _check_grad_input(leaf, allow_int)
+            _check_grad_input(leaf, allow_int, holomorphic)
 
         def f_dyn(*dyn_args):
             full = list(args)
@@ -294,17 +377,17 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
 
         res = _vjp(f_dyn, dyn, has_aux, policy, PROMOTE)
         out, vjp_fn = res[0], res[1]
-        _check_scalar(out)
+        _check_scalar(out, holomorphic)
         # full_like, as jax.grad: the seed takes the output's varying manual axes (inside
         # shard_map) and sharding, which `linear_transpose` checks against.
         g = vjp_fn(lax.full_like(out, 1, promoted_dtype(_dtype_of(out), policy.tangent_dtype)))
-        g = g[0] if isinstance(argnums, int) else tuple(g)
+        g = tuple(g) if isinstance(argnums, (tuple, list)) else g[0]
         return ((out, res[2]), g) if has_aux else (out, g)
 
     return value_and_grad_f
 
 
-def _check_scalar(out):
+def _check_scalar(out, holomorphic=False):
     if not isinstance(out, (jax.Array, np.ndarray, np.generic, float, int)):
         raise TypeError(
             f"Gradient only defined for scalar-output functions. Output was {out!r}.")
@@ -313,14 +396,28 @@ def _check_scalar(out):
             f"Gradient only defined for scalar-output functions. Output had shape: "
             f"{np.shape(out)}.")
     dt = _dtype_of(out)
-    if not jnp.issubdtype(dt, jnp.floating):
+    if is_extended(dt):
+        raise TypeError(f"grad with output element type {dt.name}")
+    if holomorphic:
+        if not jnp.issubdtype(dt, jnp.complexfloating):
+            raise TypeError(
+                f"grad with holomorphic=True requires outputs with complex dtype, but got "
+                f"{dt.name}.")
+    elif jnp.issubdtype(dt, jnp.complexfloating):
         raise TypeError(
             f"grad requires real-valued outputs (output dtype that is a sub-dtype of "
-            f"np.floating), but got {dt.name}.")
+            f"np.floating), but got {dt.name}. For holomorphic differentiation, pass "
+            f"holomorphic=True. For differentiation of non-holomorphic functions involving "
+            f"complex outputs, use jax.vjp directly.")
+    elif not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(
+            f"grad requires real-valued outputs (output dtype that is a sub-dtype of "
+            f"np.floating), but got {dt.name}. For differentiation of functions with integer "
+            f"outputs, use jax.vjp directly.")
 
 
 def grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_dtype=None,
-         policy: Policy | None = None, allow_int: bool = False):
+         policy: Policy | None = None, allow_int: bool = False, holomorphic: bool = False):
     """Like `jax.grad`, with the backward pass in ``tangent_dtype`` (default float32).
 
     The forward is ``fun`` exactly as written; the gradient of a bf16 / fp16 / fp8 input is
@@ -332,17 +429,21 @@ def grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_dtype=None,
       has_aux: whether ``fun`` returns ``(output, aux)``.
       tangent_dtype: the dtype cotangents are held in (default float32).
       policy: a `hifigrad.Policy`; ``tangent_dtype`` may be given here instead.
-      allow_int: accept integer and bool inputs at ``argnums``, as in `jax.grad`.
+      allow_int: accept integer, bool and typed PRNG key inputs at ``argnums``, as in
+        `jax.grad`.
+      holomorphic: ``fun`` is holomorphic (complex inputs and output), as in `jax.grad`.
 
     Returns:
       A function with ``fun``'s signature that returns the gradient (``(grads, aux)`` with
       ``has_aux=True``), as `jax.grad` does.
 
     Raises:
-      TypeError: (when called) an input at ``argnums`` is not floating point (without
-        ``allow_int``), ``fun``'s output is not a real scalar, or ``argnums`` is invalid.
-      ValueError: ``tangent_dtype`` is less precise than a float input, or conflicts with
-        ``policy.tangent_dtype``.
+      TypeError: ``fun`` is not callable, or ``argnums`` is invalid (as in `jax.grad`:
+        see `value_and_grad`); (when called) an input at ``argnums`` is not floating point
+        (without ``allow_int``) or ``fun``'s output is not a real scalar.
+      ValueError: ``tangent_dtype`` is less precise than a float input, conflicts with
+        ``policy.tangent_dtype``, or is float64 with JAX's 64-bit mode off; (when called)
+        ``argnums`` is empty or out of range.
 
     Examples:
       >>> import jax, jax.numpy as jnp, hifigrad as hg
@@ -353,7 +454,7 @@ def grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_dtype=None,
       dtype('float32')
     """
     vg = value_and_grad(fun, argnums, has_aux, tangent_dtype=tangent_dtype, policy=policy,
-                        allow_int=allow_int)
+                        allow_int=allow_int, holomorphic=holomorphic)
 
     @functools.wraps(fun)
     def grad_f(*args, **kwargs):
@@ -404,6 +505,9 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
     @functools.wraps(fun)
     def wrapped(*args):
         flat, in_tree = tree_flatten(args)
+        for x in flat:
+            _check_arg(x)
+        check_tangent_dtype_enabled(policy.tangent_dtype)
         check_primal_dtypes([_dtype_of(x) for x in flat], policy.tangent_dtype)
         flat = [jnp.asarray(x) for x in flat]
         out_tree_box: list = []
