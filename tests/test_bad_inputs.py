@@ -672,3 +672,124 @@ def test_calling_hifigrad_changes_no_jax_config_in_process():
     before = ns["snapshot"]()
     exec(_CALLS, {"hg": hg, "jax": jax})  # noqa: S102
     assert ns["snapshot"]() == before
+
+
+# ------------------------------------------------------------------------------ grad arguments
+# Every invalid form of jax.grad's arguments, run through jax.grad and hg.grad side by side: hg
+# raises the exception type jax raises, with a message naming the cause (for repeated argnums
+# jax's own error is incidental -- the function receives None -- and hg's says why).
+
+def _sq(a):
+    return jnp.sum(a ** 2)
+
+
+def _mul(a, b):
+    return jnp.sum(a ** 2 * b)
+
+
+_V = jnp.array([3.0, 1.0])
+_C = jnp.array([1 + 1j, 2 - 1j], jnp.complex64)
+
+# (id, transform name, fun, transform kwargs, call args, hg message regex)
+_INVALID = [
+    ("argnums_repeated", "grad", _sq, dict(argnums=(0, 0)), (_V,), "argument 0 more than once"),
+    ("argnums_aliased_negative", "grad", _mul, dict(argnums=(0, -2)), (_V, _V),
+     "argument 0 more than once"),
+    ("argnums_repeated_value_and_grad", "value_and_grad", _mul, dict(argnums=(1, 1)), (_V, _V),
+     "argument 1 more than once"),
+    ("argnums_negative_out_of_range", "grad", _mul, dict(argnums=-3), (_V, _V),
+     r"position -3 is out of range for 2 positional arguments.*>= -2"),
+    ("argnums_out_of_range", "grad", _mul, dict(argnums=2), (_V, _V),
+     "requires at least 3 positional arguments"),
+    ("argnums_empty_tuple", "grad", _mul, dict(argnums=()), (_V, _V), "selects no argument"),
+    ("argnums_empty_list", "grad", _mul, dict(argnums=[]), (_V, _V), "selects no argument"),
+    ("argnums_float", "grad", _mul, dict(argnums=1.0), (_V, _V),
+     "argnums must be an int or a sequence of ints.*1.0"),
+    ("argnums_str", "grad", _mul, dict(argnums="a"), (_V, _V), "argnums must be an int"),
+    ("argnums_none", "grad", _mul, dict(argnums=None), (_V, _V), "argnums must be an int"),
+    ("argnums_tuple_with_float", "grad", _mul, dict(argnums=(0, 1.0)), (_V, _V),
+     "argnums must be an int"),
+    ("argnums_nested", "grad", _mul, dict(argnums=((0,),)), (_V, _V), "argnums must be an int"),
+    ("keyword_only_call", "grad", _mul, dict(), (), "requires at least 1 positional"),
+    ("string_leaf", "grad", lambda p: jnp.sum(p["w"]), dict(), ({"w": _V, "n": "layer0"},),
+     "'layer0' of type <class 'str'> is not a valid JAX type"),
+    ("object_leaf", "grad", lambda p: jnp.sum(p[0]), dict(), ((_V, object()),),
+     "is not a valid JAX type"),
+    ("int_input", "grad", lambda i: jnp.sum(i).astype(F32), dict(), (jnp.arange(2),),
+     "but got int32.*allow_int"),
+    ("bool_input", "grad", lambda i: jnp.sum(i).astype(F32), dict(), (jnp.ones(2, bool),),
+     "but got bool.*allow_int"),
+    ("key_input", "grad", lambda p: jnp.sum(p[0]), dict(), ((_V, jax.random.key(0)),),
+     r"but got key<fry>.*allow_int"),
+    ("float0_input", "grad", lambda p: jnp.sum(p[0]), dict(), ((_V, np.zeros(2, FLOAT0)),),
+     "numerical-valued inputs"),
+    ("float0_input_allow_int", "grad", lambda p: jnp.sum(p[0]), dict(allow_int=True),
+     ((_V, np.zeros(2, FLOAT0)),), "numerical-valued inputs"),
+    ("holomorphic_real_input", "grad", _sq, dict(holomorphic=True), (_V,),
+     "holomorphic=True requires inputs with complex dtype"),
+    ("holomorphic_real_output", "grad", lambda z: jnp.sum(z).real, dict(holomorphic=True),
+     (_C,), "holomorphic=True requires outputs with complex dtype"),
+    ("complex_output", "grad", lambda z: jnp.sum(z), dict(), (_C,),
+     "real-valued outputs.*holomorphic=True"),
+    ("int_output", "grad", lambda x: jnp.argmax(x), dict(), (_V,), "real-valued outputs"),
+    ("key_output", "grad", lambda x: jax.random.key(0), dict(), (_V,), "output element type"),
+    ("vector_output", "grad", lambda x: x, dict(), (_V,), "scalar-output"),
+    ("has_aux_not_a_pair", "grad", _sq, dict(has_aux=True), (_V,), "two-element tuple"),
+    ("has_aux_triple", "grad", lambda x: (_sq(x), 1, 2), dict(has_aux=True), (_V,),
+     "two-element tuple"),
+    ("not_callable", "grad", 3, dict(), (_V,), "Expected a callable value"),
+]
+
+
+def _transform(lib, name, fun, kwargs):
+    return getattr(lib, name)(fun, **kwargs)
+
+
+@pytest.mark.parametrize("case", _INVALID, ids=[c[0] for c in _INVALID])
+def test_invalid_grad_arguments_raise_what_jax_grad_raises(case):
+    _, name, fun, kwargs, args, msg = case
+    with pytest.raises(Exception) as jax_err:
+        _transform(jax, name, fun, kwargs)(*args)
+    with pytest.raises(type(jax_err.value), match=msg):
+        _transform(hg, name, fun, kwargs)(*args)
+    # under jit too (the checks run at trace time)
+    with pytest.raises(type(jax_err.value), match=msg):
+        jax.jit(lambda *a: _transform(hg, name, fun, kwargs)(*a))(*args) if all(
+            isinstance(a, jax.Array) for a in args) else _transform(hg, name, fun, kwargs)(*args)
+
+
+# (id, transform name, fun, transform kwargs, call args): unusual but valid, as in jax.grad
+_VALID = [
+    ("argnums_list", "grad", _mul, dict(argnums=[0, 1]), (_V, _V)),
+    ("argnums_numpy_int", "grad", _mul, dict(argnums=np.int64(1)), (_V, _V)),
+    ("argnums_jax_int", "grad", _mul, dict(argnums=jnp.int32(1)), (_V, _V)),
+    ("argnums_bool", "grad", _mul, dict(argnums=True), (_V, _V)),
+    ("argnums_negative", "grad", _mul, dict(argnums=-1), (_V, _V)),
+    ("argnums_negative_tuple", "value_and_grad", _mul, dict(argnums=(-1, 0)), (_V, _V)),
+    ("has_aux_list", "grad", lambda x: [_sq(x), 1], dict(has_aux=True), (_V,)),
+    ("has_aux_string", "grad", lambda x: (_sq(x), "layer0"), dict(has_aux=True), (_V,)),
+    ("none_leaf", "grad", lambda p: jnp.sum(p["w"]), dict(), ({"w": _V, "n": None},)),
+    ("python_float", "grad", lambda x: x * 2.0, dict(), (3.0,)),
+    ("int_allow_int", "grad", lambda x, i: jnp.sum(x * i), dict(argnums=(0, 1), allow_int=True),
+     (_V, jnp.arange(2.0).astype(jnp.int32).astype(F32))),
+    ("key_allow_int", "grad", lambda p: jnp.sum(p[0] * jax.random.normal(p[1], (2,))),
+     dict(allow_int=True), ((_V, jax.random.key(1)),)),
+    ("holomorphic", "grad", lambda z: jnp.sum(z * z), dict(holomorphic=True), (_C,)),
+    ("complex_input_real_output", "grad", lambda z: jnp.sum(z * z).real, dict(), (_C,)),
+]
+
+
+@pytest.mark.parametrize("case", _VALID, ids=[c[0] for c in _VALID])
+def test_unusual_valid_grad_arguments_match_jax_grad(case):
+    """Float32 inputs: hg's backward runs in float32 like jax's, so results agree to rounding."""
+    _, name, fun, kwargs, args = case
+    want = _transform(jax, name, fun, kwargs)(*args)
+    got = _transform(hg, name, fun, kwargs)(*args)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if isinstance(w, str):
+            assert g == w
+        elif np.asarray(w).dtype == FLOAT0:
+            assert np.asarray(g).dtype == FLOAT0 and np.shape(g) == np.shape(w)
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
