@@ -57,3 +57,34 @@ def test_inside_scan_and_remat(maybe_jit):
     g_fwd = hg.grad(f)(w, xs)
     assert g.dtype == jnp.float32
     np.testing.assert_allclose(g, g_fwd, rtol=2 ** -5)
+
+
+TANGENT = hg.Policy(coefficients="tangent")
+# 0, -0, +-inf, NaN, float32 subnormals (the smallest, one near the top of the range), and
+# ordinary values on both sides of 1.
+SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.4e-45, -1e-39, 1e-38, 1.0, -1.5, 3.0],
+                   np.float32)
+
+
+@pytest.mark.parametrize("n", range(-3, 5))
+def test_integer_pow_at_special_values_matches_jax_grad(n, maybe_jit):
+    """x**n for every exponent -3..4 at 0, -0, +-inf, NaN and subnormals: in float32 the
+    tangent coefficient is JAX's own formula at the same dtype, so values, NaN and inf
+    positions match jax.grad exactly (x**0 used to give 0 * x**-1: NaN at 0)."""
+    f = lambda x: jnp.sum(lax.integer_pow(x, n))
+    x = jnp.asarray(SPECIAL)
+    got = maybe_jit(hg.grad(f, policy=TANGENT))(x)
+    want = jax.grad(f)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_polynomial_with_a_constant_term_at_zero():
+    """sum(c[i] * x**i), i = 0..3, at x = 0 in bf16: the x**0 term's derivative is 0."""
+    c = jnp.array([0.5, -1.0, 2.0, 0.25])
+    p = lambda x: jnp.sum(sum(c[i] * x.astype(jnp.float32) ** i for i in range(4)))
+    for dt in (jnp.bfloat16, jnp.float32):
+        xs = jnp.array([0.0, 1.0, -0.5], dt)
+        got = hg.grad(p, policy=TANGENT)(xs)
+        xd = np.asarray(xs, np.float64)
+        want = -1.0 + 4.0 * xd + 0.75 * xd ** 2  # p'(x), exact in float32 at these points
+        np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))

@@ -46,6 +46,10 @@ def _coef(kind, *saved):
     if kind.startswith("integer_pow:"):
         n = int(kind.split(":")[1])
         (x,) = saved
+        # As JAX's own rule: x**0 is constant, so its derivative is 0 everywhere (not
+        # 0 * x**-1, which is 0 * inf = NaN at x = 0).
+        if n == 0:
+            return lax.full_like(x, 0)
         return n * lax.integer_pow(x, n - 1) if n != 1 else lax.full_like(x, 1)
     if kind == "div_rhs":
         x, y = saved
