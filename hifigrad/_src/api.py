@@ -62,19 +62,19 @@ def _dtype_of(x):
     return np.dtype(jnp.result_type(x))
 
 
-def _coefficients_transform(fun, policy: Policy):
+def _coefficients_transform(fun, policy: Policy, has_aux: bool = False):
     if policy.coefficients == "forward":
         return fun
     from .coefficients import precise_coefficients
 
-    return precise_coefficients(fun, policy)
+    return precise_coefficients(fun, policy, has_aux)
 
 
 def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool,
               table: RuleTable):
     """Linearizes `fun_flat(*diff_vals) -> list of outputs` and returns
     (outs, backward Partial, aux)."""
-    fun_flat = _coefficients_transform(fun_flat, policy)
+    fun_flat = _coefficients_transform(fun_flat, policy, has_aux)
     if has_aux:
         outs, lin, aux = jax.linearize(fun_flat, *diff_vals, has_aux=True)
     else:

@@ -75,8 +75,10 @@ compat.register_impl_and_lowering(coef_mul_p, _coef_mul_impl, _coef_mul_abstract
 
 
 def _coef_mul_jvp(primals, tangents, *, kind):
-    tangents = [compat.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(functools.partial(_coef_mul_impl, kind=kind), primals, tangents)
+    # jax.jvp wants primals and tangents as the same container type (JAX passes a tuple
+    # and a list here).
+    tangents = tuple(compat.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(functools.partial(_coef_mul_impl, kind=kind), tuple(primals), tangents)
 
 
 def _coef_mul_transpose(ct, t, *saved, kind):
@@ -191,15 +193,47 @@ def _table() -> RuleTable:
 COEFFICIENTS = _table
 
 
-def precise_coefficients(fun_flat, policy: Policy):
+_TRACED_MESSAGE = (
+    "Policy(coefficients='tangent') traces the function once to a jaxpr, abstractly (as "
+    "jax.jit does), to find the elementwise ops whose derivative coefficients it recomputes in "
+    "the backward; on that trace array values are not known, so Python control flow on them (an "
+    "`if` or `while` on a value, float(x), x.item(), np.asarray(x)) is not possible. Write it "
+    "with jnp.where / lax.cond / lax.while_loop, or use Policy(coefficients='forward') (the "
+    "default), which runs the function as jax.grad does.")
+
+
+def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False):
     """Returns `fun_flat` re-traced with elementwise ops whose JVP coefficients are computed in
-    the backward, at the tangent's dtype. `fun_flat(*arrays)` returns a list (or (list, aux))."""
+    the backward, at the tangent's dtype. `fun_flat(*arrays)` returns a list (or (list, aux)
+    with ``has_aux``: aux leaves that are not JAX arrays -- strings, Python numbers -- are
+    returned as they are, as `jax.linearize` does, not traced)."""
 
     def wrapped(*args):
-        jaxpr, consts, out_tree = compat.make_jaxpr_closed(fun_flat, *args)
+        static_aux: list = []
+
+        def traced(*xs):
+            if not has_aux:
+                return fun_flat(*xs)
+            outs, aux = fun_flat(*xs)
+            leaves, aux_tree = jax.tree_util.tree_flatten(aux)
+            dyn = [isinstance(leaf, jax.Array) for leaf in leaves]
+            static_aux.append((aux_tree, leaves, dyn))
+            return outs, [leaf for leaf, d in zip(leaves, dyn) if d]
+
+        try:
+            jaxpr, consts, out_tree = compat.make_jaxpr_closed(traced, *args)
+        except jax.errors.ConcretizationTypeError as e:
+            raise TypeError(f"{_TRACED_MESSAGE} JAX said: {str(e).splitlines()[0]}") from e
         interp = Interpreter(policy, _table())
         outs, _ = interp.eval(jaxpr, consts, list(args), [False] * len(args))
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        outs = jax.tree_util.tree_unflatten(out_tree, outs)
+        if not has_aux:
+            return outs
+        outs, aux_dyn = outs
+        aux_tree, leaves, dyn = static_aux[-1]
+        it = iter(aux_dyn)
+        aux = [next(it) if d else leaf for leaf, d in zip(leaves, dyn)]
+        return outs, jax.tree_util.tree_unflatten(aux_tree, aux)
 
     return wrapped
 
