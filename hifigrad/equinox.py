@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
@@ -40,8 +39,6 @@ from ._src.api import value_and_grad as _hg_value_and_grad
 from ._src.policy import Policy, resolve_policy
 
 __all__ = ["filter_grad", "filter_value_and_grad"]
-
-_MISSING = object()
 
 
 def _check_loss(name: str, out, has_aux: bool) -> None:
@@ -151,7 +148,7 @@ class _GradWrapper(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = False,
+def filter_value_and_grad(fun: Callable | None = None, *, has_aux: bool = False,
                           tangent_dtype=None, policy: Policy | None = None, argnums=None):
     """``eqx.filter_value_and_grad`` with the backward pass in ``tangent_dtype`` (default f32).
 
@@ -185,7 +182,7 @@ def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = Fal
       (dtype('float32'), dtype('float32'))
     """
     _no_argnums("filter_value_and_grad", argnums)
-    if fun is _MISSING:
+    if fun is None:
         return functools.partial(filter_value_and_grad, has_aux=has_aux,
                                  tangent_dtype=tangent_dtype, policy=policy)
     if not callable(fun):
@@ -195,7 +192,7 @@ def filter_value_and_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = Fal
         fun, has_aux, policy, "hg.equinox.filter_value_and_grad"))
 
 
-def filter_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = False, tangent_dtype=None,
+def filter_grad(fun: Callable | None = None, *, has_aux: bool = False, tangent_dtype=None,
                 policy: Policy | None = None, argnums=None):
     """``eqx.filter_grad`` with the backward pass in ``tangent_dtype`` (default float32).
 
@@ -231,7 +228,7 @@ def filter_grad(fun: Callable | Any = _MISSING, *, has_aux: bool = False, tangen
       (dtype('float32'), None)
     """
     _no_argnums("filter_grad", argnums)
-    if fun is _MISSING:
+    if fun is None:
         return functools.partial(filter_grad, has_aux=has_aux, tangent_dtype=tangent_dtype,
                                  policy=policy)
     if not callable(fun):

@@ -208,10 +208,7 @@ def scan_layers(blocks, x, *, codec, policy: Policy | None = None, reverse: bool
 
 # ------------------------------------------------------------------------------ NNX grad
 
-_MISSING = object()
-
-
-def grad(f: Callable | Any = _MISSING, *, argnums=0, has_aux: bool = False,
+def grad(f: Callable | None = None, *, argnums=0, has_aux: bool = False,
          holomorphic: bool = False, allow_int: bool = False, graph: bool | None = None,
          graph_updates: bool | None = None, tangent_dtype=None, policy: Policy | None = None):
     """`flax.nnx.grad` with the backward pass in ``tangent_dtype`` (default float32).
@@ -257,12 +254,12 @@ def grad(f: Callable | Any = _MISSING, *, argnums=0, has_aux: bool = False,
     kw = dict(argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int,
               graph=graph, graph_updates=graph_updates, tangent_dtype=tangent_dtype,
               policy=policy)
-    if f is _MISSING:
+    if f is None:
         return functools.partial(grad, **kw)
     return _nnx_grad_general(f, return_value=False, **kw)
 
 
-def value_and_grad(f: Callable | Any = _MISSING, *, argnums=0, has_aux: bool = False,
+def value_and_grad(f: Callable | None = None, *, argnums=0, has_aux: bool = False,
                    holomorphic: bool = False, allow_int: bool = False,
                    graph: bool | None = None, graph_updates: bool | None = None,
                    tangent_dtype=None, policy: Policy | None = None):
@@ -305,7 +302,7 @@ def value_and_grad(f: Callable | Any = _MISSING, *, argnums=0, has_aux: bool = F
     kw = dict(argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int,
               graph=graph, graph_updates=graph_updates, tangent_dtype=tangent_dtype,
               policy=policy)
-    if f is _MISSING:
+    if f is None:
         return functools.partial(value_and_grad, **kw)
     return _nnx_grad_general(f, return_value=True, **kw)
 

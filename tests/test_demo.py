@@ -14,7 +14,7 @@ from platforms import on_cpu
 
 import hifigrad
 from hifigrad.__main__ import main
-from hifigrad.demo import MODE_NAMES
+from hifigrad.demo import MODE_NAMES, cli
 from hifigrad.demo.data import load_corpus, sample_batches
 from hifigrad.demo.train import gradient_sqnr_db
 
@@ -203,6 +203,113 @@ def test_python_m_hifigrad_reports_bad_flags_without_traceback():
 
 def test_main_is_the_console_script():
     assert hifigrad.__main__.main is main
+
+
+# The demo extra hidden from a fresh interpreter, as on a plain `pip install hifigrad`: each
+# named module is set to None in sys.modules, so importing it raises ModuleNotFoundError.
+_WITHOUT = ("import sys; hidden = sys.argv[1].split(','); del sys.argv[1]; "
+            "sys.modules.update(dict.fromkeys(hidden)); "
+            "from hifigrad.__main__ import main; sys.argv[0] = 'hifigrad'; rc = main(); "
+            "assert not [m for m in hidden if sys.modules.get(m) is not None]; sys.exit(rc)")
+
+
+def _run_without(hidden, *argv):
+    return subprocess.run([sys.executable, "-c", _WITHOUT, ",".join(hidden), *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_help_works_without_the_demo_extra(argv):
+    proc = _run_without(cli.DEMO_EXTRA, *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert "demo" in proc.stdout and proc.stderr == ""
+    if argv[0] == "demo":
+        assert "--quick" in proc.stdout and "int2-hg" in proc.stdout
+
+
+@pytest.mark.parametrize("hidden", [("optax",), cli.DEMO_EXTRA])
+def test_demo_without_its_extra_prints_one_line_naming_the_extra(hidden):
+    proc = _run_without(hidden, "demo", "--quick", "--out", "unused-demo-out")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "pip install 'hifigrad[demo]'" in lines[0] and "optax" in lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_cli_lists_what_the_demo_imports():
+    """The CLI's copies agree with their sources: the tasks with the training code's, the
+    packages it checks with pyproject.toml's `demo` extra (what `make demo` installs)."""
+    import pathlib
+    import re
+    import tomllib
+
+    from hifigrad.demo import train
+
+    assert cli.TASKS == train.TASKS
+    pyproject = pathlib.Path(__file__).parent.parent / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["demo"]
+    assert sorted(re.match(r"[A-Za-z0-9_.-]+", r).group() for r in extra) == \
+        sorted(cli.DEMO_EXTRA)
+
+
+@pytest.mark.parametrize("width", [200, 150, 100])
+def test_terminal_table_never_wraps_a_mode_label(quick, width):
+    """Each mode is one line of each table, whatever the terminal's width: a wrapped label
+    would read as a row of its own."""
+    import io
+
+    from rich.console import Console
+
+    _, _, results, _ = quick
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    tables = cli._rich_tables(results, width)
+    for t in tables:
+        console.print(t)
+    lines = console.file.getvalue().splitlines()
+    body = [line for line in lines if line.startswith("│")]
+    labels = [r["label"] for r in results["modes"]]
+    assert [line.split("│")[1].strip() for line in body] == labels * len(tables)
+    assert max(len(line) for line in lines) <= width
+    assert len(tables) == (1 if width >= 200 else 2)
+
+
+def test_plot_styles_are_distinct_for_every_mode():
+    from hifigrad.demo.report import _marker, _style
+
+    styles = {name: (_style(name)["color"], _style(name)["linestyle"], _marker(name))
+              for name in MODE_NAMES}
+    colors = [c for c, _, _ in styles.values()]
+    markers = [m for _, _, m in styles.values()]
+    assert len(set(colors)) == len(MODE_NAMES), styles
+    assert len(set(markers)) == len(MODE_NAMES), styles
+
+
+def test_memory_plot_has_a_temp_bar_for_every_mode(quick, tmp_path, monkeypatch):
+    """memory.png: the per-step panel has a saved and a temp bar for every mode; the bf16
+    jax.checkpoint reference (never trained, so no temp) is only in the panel of saved bytes."""
+    import matplotlib.figure
+
+    from hifigrad.demo.report import plot_memory
+
+    _, _, results, rows = quick
+    fig_axes = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path: fig_axes.append(fig.axes))
+    plot_memory(results, tmp_path / "memory.png")
+    (top, bottom), = fig_axes
+    labels = [t.get_text() for t in bottom.get_xticklabels()]
+    assert labels == [r["label"] for r in rows.values()]
+    saved, temp = bottom.containers
+    assert len(temp) == len(labels) and all(b.get_height() > 0 for b in temp)
+    assert all(b.get_height() > 0 for b in saved)
+    assert [t.get_text() for t in top.get_xticklabels()][0].startswith("bf16 jax.checkpoint")
+
+
+def test_conclusions_do_not_call_the_plain_scan_a_saving(quick):
+    _, _, results, _ = quick
+    text = " ".join(results["conclusions"])
+    assert "lax.scan" in text and " saves " not in text
 
 
 # ------------------------------------------------------------------------------ pieces

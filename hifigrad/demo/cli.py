@@ -1,5 +1,9 @@
 """Command line of ``hifigrad demo``: parses flags, shows progress, prints the table, writes the
-report. Flag errors print one line to stderr and return exit status 2."""
+report. Flag errors print one line to stderr and return exit status 2.
+
+``hifigrad --help`` and ``hifigrad demo --help`` need only hifigrad's own dependencies (jax,
+numpy); running the demo needs the ``demo`` extra. Without it, ``hifigrad demo`` prints one line
+naming ``pip install 'hifigrad[demo]'`` and returns exit status 1."""
 
 from __future__ import annotations
 
@@ -10,11 +14,18 @@ import re
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["main"]
 
 PROG = "hifigrad"
+# The demo's tasks (`hifigrad.demo.train.TASKS`, repeated here so that ``--help`` does not import
+# the training code and its optax dependency; a test checks that the two agree).
+TASKS = ("gpt", "recurrent")
+# What the demo imports beyond hifigrad's own dependencies: the ``demo`` extra of pyproject.toml.
+DEMO_EXTRA = ("flax", "optax", "rich", "matplotlib")
+INSTALL_DEMO = "pip install 'hifigrad[demo]'"
 
 
 class UsageError(Exception):
@@ -55,7 +66,6 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     from .modes import MODES
-    from .train import TASKS
 
     p = _Parser(prog=PROG, description="High-fidelity (float32) gradients for JAX models "
                                        "computed in bf16, fp16 or fp8.")
@@ -103,6 +113,19 @@ def _parse_modes(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
     if bad:
         raise UsageError(f"--modes: unknown mode {bad[0]!r} (valid: {', '.join(MODE_NAMES)})")
     return tuple(dict.fromkeys(names))
+
+
+def missing_demo_packages() -> list[str]:
+    """The packages of the ``demo`` extra that cannot be imported here."""
+    import importlib
+
+    missing = []
+    for name in DEMO_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 def _check_out(out: str) -> Path:
@@ -164,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
+        missing = missing_demo_packages()
+        if missing:
+            print(f"{PROG} demo: error: the demo needs {', '.join(missing)}, not installed here; "
+                  f"install the demo extra: {INSTALL_DEMO}", file=sys.stderr)
+            return 1
         config = _config(args)
         if own_process:
             _prepare_devices(config.devices)
@@ -199,7 +227,8 @@ def _run_demo(config, out: Path, argv: list[str]) -> int:
         results = run(config, reporter)
     command = "hifigrad " + " ".join(shlex.quote(a) for a in argv)
     paths = R.write_report(results, out, command=command)
-    console.print(_rich_table(results))
+    for table in _rich_tables(results, console.width):
+        console.print(table)
     for c in results["conclusions"]:  # markdown bold -> rich bold
         console.print(" • " + re.sub(r"\*\*(.+?)\*\*", r"[bold]\1[/bold]", escape(c)),
                       highlight=False)
@@ -213,37 +242,68 @@ def _run_demo(config, out: Path, argv: list[str]) -> int:
     return 0
 
 
-def _rich_table(results):
+def _rich_tables(results, width: int) -> list:
+    """The results table for a terminal ``width`` columns wide: one table when it fits, else two
+    (fidelity and loss; memory and speed), each with the mode column. No cell ever wraps: a
+    wrapped mode label would read as a row of its own."""
+    from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
 
     from .report import TABLE_COLUMNS, table_rows
 
-    t = Table(title="Gradient fidelity, loss, memory and speed per mode", title_justify="left")
-    for i, col in enumerate(TABLE_COLUMNS):
-        t.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
-    for row in table_rows(results):
-        t.add_row(*row)
-    return t
+    rows = table_rows(results)
+    title = "Gradient fidelity, loss, memory and speed per mode"
+
+    def table(cols, title):
+        t = Table(title=title, title_justify="left")
+        for i in cols:
+            t.add_column(TABLE_COLUMNS[i], justify="left" if i == 0 else "right", no_wrap=True)
+        for row in rows:
+            t.add_row(*(row[i] for i in cols))
+        return t
+
+    every = list(range(len(TABLE_COLUMNS)))
+    whole = table(every, title)
+    probe = Console(width=10_000)
+    if Measurement.get(probe, probe.options, whole).maximum <= width:
+        return [whole]
+    split = TABLE_COLUMNS.index("saved MB")
+    return [table(every[:split], "Gradient fidelity and loss per mode"),
+            table([0, *every[split:]], "Memory and speed per mode")]
+
+
+def _own_time_column():
+    """A progress column showing each row's own time: a stage's duration, a mode's training
+    time (from its first step to its last; its compile time is in its description)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class OwnTime(ProgressColumn):
+        def render(self, task):
+            t0, t1 = task.fields.get("t0"), task.fields.get("t1")
+            if t0 is None:
+                return Text("")
+            return Text(f"{(t1 if t1 is not None else time.perf_counter()) - t0:6.1f} s",
+                        style="progress.elapsed")
+
+    return OwnTime()
 
 
 class _RichReporter:
-    """Shows setup stages as spinners and each mode as a progress bar."""
+    """Shows setup stages as spinners and each mode as a progress bar. The modes compile
+    together, then train one after the other; each bar's time is that mode's own training
+    time."""
 
     def __init__(self, console):
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                 MofNCompleteColumn(), _own_time_column(), console=console,
                                  transient=False)
         self.stage_task = None
         self.tasks: dict[str, int] = {}
+        self.clock = time.perf_counter()  # the last event: where the next mode's training starts
 
     def __enter__(self):
         self.progress.__enter__()
@@ -253,30 +313,44 @@ class _RichReporter:
         self._end_stage()
         return self.progress.__exit__(*exc)
 
+    def _tick(self) -> float:
+        self.clock = time.perf_counter()
+        return self.clock
+
     def _end_stage(self):
         if self.stage_task is not None:
-            self.progress.update(self.stage_task, total=1, completed=1)
+            self.progress.update(self.stage_task, total=1, completed=1, t1=self._tick())
             self.stage_task = None
 
     def stage(self, text):
         self._end_stage()
-        self.stage_task = self.progress.add_task(text, total=None)
+        self.stage_task = self.progress.add_task(text, total=None, t0=self._tick())
 
     def mode_start(self, mode, steps):
         self._end_stage()
         self.tasks[mode.name] = self.progress.add_task(f"{mode.label}: compiling", total=steps)
 
     def mode_compiled(self, mode, seconds):
+        self._tick()
         self.progress.update(self.tasks[mode.name],
-                             description=f"{mode.label}: training (compiled in {seconds:.1f} s)")
+                             description=f"{mode.label}: compiled in {seconds:.1f} s")
 
     def mode_step(self, mode, step):
-        self.progress.advance(self.tasks[mode.name])
+        task = self.tasks[mode.name]
+        if step == 0:  # its training began at the previous event, which for the first mode
+            t0 = self.clock  # also ends the compiling stage
+            if self.stage_task is not None:
+                self.progress.update(self.stage_task, total=1, completed=1, t1=t0)
+                self.stage_task = None
+            self.progress.update(task, description=f"{mode.label}: training", t0=t0)
+        self.progress.advance(task)
 
     def mode_end(self, mode, row):
         task = self.tasks[mode.name]
+        now = self._tick()
         if row["status"] == "ok":
-            self.progress.update(task, description=f"{mode.label}: done")
+            self.progress.update(task, description=f"{mode.label}: done, "
+                                                   f"{row['step_ms']:.1f} ms/step", t1=now)
         else:
             reason = row["reason"] if len(row["reason"]) < 70 else row["reason"][:67] + "..."
             self.progress.update(task, description=f"{mode.label}: {row['status']} ({reason})",
