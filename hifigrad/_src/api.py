@@ -38,7 +38,7 @@ from .dtypes import (
     is_real_float,
     promoted_dtype,
 )
-from .interpreter import Interpreter, RuleTable
+from .interpreter import Interpreter, RuleTable, fallback_site, site_of
 from .policy import Policy, resolve_policy
 from .rules import PROMOTE
 
@@ -71,7 +71,7 @@ def _coefficients_transform(fun, policy: Policy, has_aux: bool = False):
 
 
 def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool,
-              table: RuleTable):
+              table: RuleTable, site=None):
     """Linearizes `fun_flat(*diff_vals) -> list of outputs` and returns
     (outs, backward Partial, aux)."""
     fun_flat = _coefficients_transform(fun_flat, policy, has_aux)
@@ -91,7 +91,7 @@ def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool
     static = _Static(lin_jaxpr=lin_jaxpr, n_res=len(res), n_consts=len(lin_consts),
                      tangent_avals=tangent_avals,
                      out_avals=[jax.ShapeDtypeStruct(np.shape(o), _dtype_of(o)) for o in outs],
-                     policy=policy, table=table)
+                     policy=policy, table=table, site=site)
     backward = Partial(functools.partial(_backward, static), [*lin_consts, *res])
     return outs, backward, aux
 
@@ -122,12 +122,14 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
                 np.dtype(o.dtype) != d else o for o, d, k in zip(outs, out_up, keep) if k]
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
-    transposed = jax.linear_transpose(lin_promoted, *in_avals)
-    if policy.resolved_matmul() == "fast":
-        from .fast import fast_matmul
+    # Fallback warnings name a primitive once per differentiated function (`static.site`).
+    with fallback_site(getattr(static, "site", None)):
+        transposed = jax.linear_transpose(lin_promoted, *in_avals)
+        if policy.resolved_matmul() == "fast":
+            from .fast import fast_matmul
 
-        transposed = fast_matmul(transposed, policy)
-    out = transposed(list(cts))
+            transposed = fast_matmul(transposed, policy)
+        out = transposed(list(cts))
     return list(out)
 
 
@@ -184,7 +186,7 @@ def vjp(fun: Callable, *primals, has_aux: bool = False, tangent_dtype=None,
     return _vjp(fun, primals, has_aux, policy, PROMOTE)
 
 
-def _vjp(fun, primals, has_aux, policy, table):
+def _vjp(fun, primals, has_aux, policy, table, site=None):
     flat, in_tree = tree_flatten(primals)
     for x in flat:
         _check_arg(x)
@@ -210,7 +212,8 @@ def _vjp(fun, primals, has_aux, policy, table):
         out_flat = [jnp.asarray(o) for o in out_flat]
         return (out_flat, aux) if has_aux else out_flat
 
-    outs, backward, aux = _vjp_flat(fun_flat, diff_vals, policy, has_aux, table)
+    outs, backward, aux = _vjp_flat(fun_flat, diff_vals, policy, has_aux, table,
+                                    site_of(fun) if site is None else site)
     out_tree = out_tree_box[-1]
     in_avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in flat]
     out_avals = [jax.ShapeDtypeStruct(np.shape(o), _dtype_of(o)) for o in outs]
@@ -375,7 +378,7 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *, tangent_d
                 full[i] = a
             return fun(*full, **kwargs)
 
-        res = _vjp(f_dyn, dyn, has_aux, policy, PROMOTE)
+        res = _vjp(f_dyn, dyn, has_aux, policy, PROMOTE, site=site_of(fun))
         out, vjp_fn = res[0], res[1]
         _check_scalar(out, holomorphic)
         # full_like, as jax.grad: the seed takes the output's varying manual axes (inside
@@ -521,23 +524,24 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
         # Values `fun` closes over (a caller's traced parameters) become explicit inputs, so
         # that an outer jax.grad differentiates with respect to them too.
         converted, consts = jax.closure_convert(fun_flat, *flat)
-        out = _precise_call(converted, policy, tuple(flat), tuple(consts))
+        out = _precise_call(converted, (policy, site_of(fun)), tuple(flat), tuple(consts))
         return tree_unflatten(out_tree_box[-1], out)
 
     return wrapped
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _precise_call(fun_flat, policy, args, consts):
+def _precise_call(fun_flat, policy_site, args, consts):
     return fun_flat(*args, *consts)
 
 
-def _precise_fwd(fun_flat, policy, args, consts):
-    return _vjp(lambda a, c: fun_flat(*a, *c), (args, consts), False, policy, PROMOTE)
+def _precise_fwd(fun_flat, policy_site, args, consts):
+    policy, site = policy_site
+    return _vjp(lambda a, c: fun_flat(*a, *c), (args, consts), False, policy, PROMOTE, site=site)
 
 
-def _precise_bwd(fun_flat, policy, vjp_fn, cts):
-    del fun_flat, policy
+def _precise_bwd(fun_flat, policy_site, vjp_fn, cts):
+    del fun_flat, policy_site
     info: _VjpInfo = vjp_fn.func.args[0]
     cts_in = tree_flatten(vjp_fn(list(cts)))[0]
     # JAX requires each cotangent in its input's dtype at this boundary.

@@ -14,7 +14,11 @@ with a fixpoint over the body (`Interpreter.flags`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,8 +57,9 @@ class PrecisionFallbackWarning(UserWarning):
     """A cotangent reaches a primitive that cannot run promoted: it runs at its own dtype, with
     casts at its edges, so values through it are rounded to that dtype.
 
-    Warned once per primitive, naming it and why. ``Policy(unsupported='error')`` raises
-    `UnsupportedPrimitiveError` instead.
+    Warned once per primitive and differentiated function, naming the primitive and why (so a
+    warning suppressed for one function does not hide another's).
+    ``Policy(unsupported='error')`` raises `UnsupportedPrimitiveError` instead.
 
     Examples:
       >>> import warnings, jax.numpy as jnp, hifigrad as hg
@@ -91,7 +96,45 @@ class RuleTable:
         return RuleTable(dict(self.rules), dict(self.flag_rules), set(self.always), self.default)
 
 
-_warned: set[str] = set()
+class _WarnedSites(set):
+    """The (primitive name, site) pairs already warned about: a fallback warns once per primitive
+    *per differentiated function* (its site), so a warning suppressed for one function (inside
+    `warnings.catch_warnings()`) cannot hide a later, different function falling back at the
+    same primitive. ``discard(name)`` forgets a primitive at every site."""
+
+    def discard(self, item):
+        if isinstance(item, str):
+            for key in [k for k in self if k[0] == item]:
+                super().discard(key)
+        else:
+            super().discard(item)
+
+
+_warned: set = _WarnedSites()
+# The differentiated function whose backward is being traced (`fallback_site`).
+_site: contextvars.ContextVar = contextvars.ContextVar("hifigrad_fallback_site", default=None)
+
+
+def site_of(fun) -> Any:
+    """A hashable name for the user function `fun` (unwrapping `functools.wraps` and
+    `functools.partial`): its code's file, first line and name."""
+    f = inspect.unwrap(fun) if callable(fun) else fun
+    while isinstance(f, functools.partial):
+        f = inspect.unwrap(f.func)
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return getattr(f, "__qualname__", type(f).__qualname__)
+    return (code.co_filename, code.co_firstlineno, code.co_name)
+
+
+@contextlib.contextmanager
+def fallback_site(site):
+    """Fallback warnings raised inside are deduplicated per (primitive, `site`)."""
+    token = _site.set(site)
+    try:
+        yield
+    finally:
+        _site.reset(token)
 
 
 def _is_float_aval(aval) -> bool:
@@ -237,7 +280,8 @@ class Interpreter:
     # ---------------------------------------------------------------- unsupported primitives
     def unsupported(self, eqn, invals, inflags, why: str):
         """A cotangent reaches `eqn`, which cannot run promoted (`why` says why): raises under
-        ``Policy(unsupported='error')``, else runs it at its own dtype and warns once. An
+        ``Policy(unsupported='error')``, else runs it at its own dtype and warns (once per
+        primitive and differentiated function). An
         effect-only equation (no outputs) just runs at its declared dtypes: no cotangent leaves
         it, so that changes no gradient."""
         name = eqn.primitive.name
@@ -253,10 +297,11 @@ class Interpreter:
 
     def fallback(self, eqn, invals, inflags, warn: str | None = None):
         """Runs `eqn` at its declared dtypes: promoted inputs are cast back, outputs cast up.
-        With `warn` (the reason), warns once per primitive."""
+        With `warn` (the reason), warns once per primitive and differentiated function."""
         name = eqn.primitive.name
-        if warn and name not in _warned:
-            _warned.add(name)
+        key = (name, _site.get())
+        if warn and key not in _warned:
+            _warned.add(key)
             warnings.warn(
                 f"hifigrad: the primitive '{name}' cannot run in {self.policy.tangent_dtype} "
                 f"({warn}); it runs at its own dtype with casts at its edges, so values through "

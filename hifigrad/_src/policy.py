@@ -54,7 +54,7 @@ class Policy:
       unsupported: what to do with a cotangent-carrying primitive that cannot run promoted (no
         rule names it and the evidence that re-binding it at promoted dtypes is exact is
         missing; see `hifigrad._src.rules`): ``'fallback'`` (default) runs it at its own dtype
-        with casts at its edges and warns once per primitive
+        with casts at its edges and warns once per primitive and differentiated function
         (`hifigrad.PrecisionFallbackWarning`); ``'error'`` raises `UnsupportedPrimitiveError`
         naming the primitive, for users who want every low-precision path to stop them.
       coefficients: ``'forward'`` uses derivative coefficients as JAX computes them in the forward
