@@ -793,3 +793,50 @@ def test_unusual_valid_grad_arguments_match_jax_grad(case):
             assert np.asarray(g).dtype == FLOAT0 and np.shape(g) == np.shape(w)
         else:
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------ unusual dtypes
+
+def test_float64_tangent_dtype_without_x64_is_a_clear_error():
+    x = jnp.ones(3, BF16)
+    f = lambda x: jnp.sum(x * x).astype(F32)
+    with pytest.raises(ValueError, match=r"float64 needs JAX's 64-bit mode.*enable_x64"):
+        hg.grad(f, tangent_dtype=jnp.float64)(x)
+    with pytest.raises(ValueError, match="64-bit mode"):
+        hg.vjp(f, x, policy=hg.Policy(tangent_dtype=jnp.float64))
+    with pytest.raises(ValueError, match="64-bit mode"):
+        jax.grad(hg.precise_backward(f, tangent_dtype=jnp.float64))(x)
+    with jax.enable_x64(True):
+        g = hg.grad(f, tangent_dtype=jnp.float64)(jnp.array([0.5, 1.0, 3.0], BF16))
+        assert g.dtype == jnp.float64
+        np.testing.assert_array_equal(g, [1.0, 2.0, 6.0])
+
+
+def test_float64_numpy_inputs_without_x64_are_float32_as_in_jax():
+    x = np.array([0.5, 1.5], np.float64)
+    g, want = hg.grad(lambda x: jnp.sum(x * x))(x), jax.grad(lambda x: jnp.sum(x * x))(x)
+    assert g.dtype == want.dtype == F32
+    np.testing.assert_array_equal(g, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e8m0fnu, jnp.float8_e3m4, jnp.float8_e4m3,
+                                   jnp.float4_e2m1fn], ids=lambda d: jnp.dtype(d).name)
+def test_unusual_float_inputs_get_float32_gradients(dtype, maybe_jit):
+    """Scale and narrow float types (e8m0 holds only powers of two, no zero, no sign): their
+    gradient is float32, exact where jax.grad's (in the input's own dtype) must round: the
+    derivative of 3 * p is 3, which e8m0 cannot hold."""
+    p = jnp.array([0.5, 1.0, 2.0], dtype)
+    f = lambda p: jnp.sum(3 * p.astype(F32) * p.astype(F32))
+    g = maybe_jit(hg.grad(f))(p)
+    assert g.dtype == F32
+    np.testing.assert_array_equal(g, 6 * np.asarray(p, np.float64))  # exact in float32
+    assert jax.grad(f)(p).dtype == jnp.dtype(dtype)
+
+
+def test_int4_inputs_with_allow_int_get_float0(maybe_jit):
+    i = jnp.array([1, -2, 3], jnp.int4)
+    w = jnp.ones(3, BF16)
+    gi, gw = maybe_jit(hg.grad(lambda i, w: jnp.sum(i.astype(F32) * w.astype(F32)),
+                               argnums=(0, 1), allow_int=True))(i, w)
+    assert gi.dtype == FLOAT0 and gi.shape == (3,) and gw.dtype == F32
+    np.testing.assert_array_equal(gw, [1.0, -2.0, 3.0])
