@@ -78,6 +78,17 @@ def check_save(save: str) -> str:
     return save
 
 
+def check_slices(backward_slices):
+    """Returns `backward_slices` if valid (None or a positive int), else raises a ValueError."""
+    if backward_slices is None:
+        return None
+    if isinstance(backward_slices, bool) or not isinstance(backward_slices, (int, np.integer)) \
+            or backward_slices < 1:
+        raise ValueError(f"backward_slices must be None (automatic) or a positive int (1: never "
+                         f"slice the backward); got {backward_slices!r}.")
+    return int(backward_slices)
+
+
 def is_float_array(x) -> bool:
     """Whether `x` (an array or scalar) has a floating-point dtype: what a codec may encode."""
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
@@ -90,20 +101,22 @@ def _check_encodable(x):
 
 
 def _encoded_call(fun_flat: Callable, codec: Codec, policy: Policy, encode: Sequence[bool],
-                  args: Sequence, consts: Sequence, save: str = "inputs", state=None):
+                  args: Sequence, consts: Sequence, save: str = "inputs", state=None,
+                  slice_plan=None):
     if save == "residuals":
         return _ckpt_res(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts))
-    return _ckpt(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts),
-                 {} if state is None else dict(state))
+    return _ckpt(fun_flat, codec, policy, tuple(encode), slice_plan, tuple(args),
+                 tuple(consts), {} if state is None else dict(state))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ckpt(fun_flat, codec, policy, encode, args, consts, state):
-    del state
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ckpt(fun_flat, codec, policy, encode, plan, args, consts, state):
+    del state, plan
     return fun_flat(*args, *consts)
 
 
-def _ckpt_fwd(fun_flat, codec, policy, encode, args, consts, state):
+def _ckpt_fwd(fun_flat, codec, policy, encode, plan, args, consts, state):
+    del plan
     out = fun_flat(*args, *consts)
     kw = {"state": state} if state else {}  # a delayed-scaling codec's state
     saved = tuple(codec.encode(x, **kw) if e else x for x, e in zip(args, encode))
@@ -130,20 +143,148 @@ jax.tree_util.register_pytree_node(_Dtypes, lambda d: ((), d.dtypes),
                                    lambda aux, _: _Dtypes(aux))
 
 
-def _ckpt_bwd(fun_flat, codec, policy, encode, res, cts):
+def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
     from .api import _vjp
     from .rules import PROMOTE
 
     saved, consts, dtypes, state = res
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
-    _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
-    args_ct, consts_ct = _input_cotangents(_freeing_first(vjp_fn, cts), dtypes.dtypes, n)
+    if plan is not None:  # a `_SlicePlan`: the backward in batch slices
+        cts_in = _sliced_backward(plan, policy, encode, args, consts, cts)
+    else:  # the whole block's backward at once
+        _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
+        cts_in = _freeing_first(vjp_fn, cts)
+    args_ct, consts_ct = _input_cotangents(cts_in, dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state).
     return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
 
 
 _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
+
+
+# ------------------------------------------------------------------ the backward in slices
+
+# `backward_slices=None` (the default): the slice count when the backward's cotangents are
+# wider than the block's activations (a bf16 block's float32 backward), so that its working
+# set is no larger than the activations' own dtype's backward would hold; 1 otherwise.
+AUTO_SLICES = 4
+# A slice keeps at least this many rows (the product of its non-feature axes) for each
+# matmul: enough for tensor cores, and a loop of a few long iterations rather than many short.
+MIN_SLICE_ROWS = 512
+
+
+def _slice_count(slices, policy: Policy, encode, args) -> int:
+    """How many batch slices the recomputed backward runs in (1: all at once)."""
+    batched = [a for a, e in zip(args, encode) if e]
+    if not batched or any(np.ndim(a) < 2 for a in batched):
+        return 1
+    if slices is None:
+        tangent = np.dtype(policy.tangent_dtype).itemsize
+        widest = max(np.dtype(jnp.result_type(a)).itemsize for a in batched)
+        slices = AUTO_SLICES if tangent > widest else 1
+    batch = np.shape(batched[0])[0]
+    if any(np.shape(a)[0] != batch for a in batched):
+        return 1
+    rows = min(math.prod(np.shape(a)[:-1]) for a in batched)
+    k = int(slices)
+    while k > 1 and (batch % k or rows // k < MIN_SLICE_ROWS):
+        k -= 1
+    return k
+
+
+class _SlicePlan:
+    """Static: the recomputed backward runs in `k` batch slices of ``fun_k`` (the block
+    closure-converted at 1/k of the batch), whose outputs have the avals ``out_avals``."""
+
+    def __init__(self, k, fun_k, out_avals):
+        self.k, self.fun_k, self.out_avals = k, fun_k, out_avals
+
+
+def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
+                slices) -> _SlicePlan | None:
+    """How the backward of ``converted(*flat, *consts)`` (`fun_flat` closure-converted) runs:
+    in slices when `_slice_count` asks for more than one and the block is separable along
+    the batch axis, read from its program (see `separable`): each row of its float outputs
+    is computed from the same row of its encoded inputs alone, and the block traced at 1/k
+    of the batch is that same program (closing over the same values). Else None: at once.
+    """
+    from .separable import NotSeparable, batch_axes, same_program
+
+    k = _slice_count(slices, policy, encode, flat) if save == "inputs" else 1
+    if k <= 1:
+        return None
+    batch = np.shape(next(a for a, e in zip(flat, encode) if e))[0]
+    sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
+                                   jnp.result_type(x)) if e else x
+              for x, e in zip(flat, encode)]
+    fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
+    if len(consts_k) != len(consts) or any(a is not b for a, b in zip(consts, consts_k)):
+        return None  # it closes over other values at the slice's size
+    in_axes = [0 if e else None for e in encode] + [None] * len(consts)
+    jaxpr, _, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
+    try:
+        out_axes = batch_axes(jaxpr, in_axes, batch)
+    except NotSeparable:
+        return None
+    for v, a in zip(jaxpr.outvars, out_axes):
+        if jnp.issubdtype(v.aval.dtype, jnp.inexact) and a != 0:
+            return None  # an output that does not split with the batch
+    jaxpr_k, _, _ = compat.make_jaxpr_closed(fun_k, *sliced, *consts)
+    if not same_program(jaxpr, jaxpr_k, k):
+        return None
+    return _SlicePlan(k, fun_k, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                 for v in jaxpr_k.outvars])
+
+
+def _sliced_backward(plan: _SlicePlan, policy: Policy, encode, args, consts, cts):
+    """The input cotangents of the block at ``(*args, *consts)``, its backward run in
+    ``plan.k`` slices along the batch axis (a `lax.scan`, so that one slice's working set
+    is live at a time).
+
+    Each slice recomputes its rows of the block and runs their backward: the same matmuls as
+    the unsliced backward, on `k` times fewer rows. The encoded inputs' cotangents are the
+    slices' concatenated; every other input's (parameters) is the sum over slices, accumulated
+    in float32 (or wider).
+    """
+    from .api import _vjp
+    from .rules import PROMOTE
+
+    k, fun_k, out_avals = plan.k, plan.fun_k, plan.out_avals
+    flat_cts, ct_tree = tree_flatten(cts)
+    is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
+
+    def split(x):
+        return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+    xs_args = [split(a) for a, e in zip(args, encode) if e]
+    xs_cts = [split(c) for c, f in zip(flat_cts, is_float) if f]
+    others = [(i, x) for i, x in enumerate((*args, *consts))
+              if not (i < len(encode) and encode[i])]
+    acc_dtype = {i: max((np.dtype(jnp.float32), np.dtype(jnp.result_type(x)),
+                         np.dtype(policy.tangent_dtype)), key=lambda t: t.itemsize)
+                 for i, x in others if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
+
+    def body(acc, xs):
+        a_sl, c_sl = xs
+        it = iter(a_sl)
+        full = [next(it) if e else a for a, e in zip(args, encode)]
+        it = iter(c_sl)
+        cts_sl = [next(it) if f else np.zeros(a.shape, jax.dtypes.float0)
+                  for a, f in zip(out_avals, is_float)]
+        _, vjp_fn = _vjp(lambda *a: fun_k(*a), (*full, *consts), False, policy, PROMOTE)
+        cts_in = _freeing_first(vjp_fn, tree_unflatten(ct_tree, cts_sl))
+        acc = {i: acc[i] + cts_in[i].astype(acc[i].dtype) for i in acc}
+        return acc, [cts_in[i] for i, e in enumerate(encode) if e]
+
+    acc0 = {i: jnp.zeros(np.shape(x), acc_dtype[i]) for i, x in others if i in acc_dtype}
+    acc, ys = lax.scan(body, acc0, (xs_args, xs_cts))
+    it = iter(ys)
+    return tuple(
+        next(it).reshape(np.shape(x)) if i < len(encode) and encode[i]
+        else acc[i] if i in acc
+        else np.zeros(np.shape(x), jax.dtypes.float0)
+        for i, x in enumerate((*args, *consts)))
 
 
 # ------------------------------------------------------------------ the backward's op order
@@ -523,7 +664,8 @@ def _flat_closure(fun: Callable, args: tuple, in_tree):
 
 
 def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
-               tangent_dtype=None, save: str = "inputs") -> Callable:
+               tangent_dtype=None, save: str = "inputs",
+               backward_slices: int | None = None) -> Callable:
     """Like `jax.checkpoint`, but what it saves for the backward is encoded with `codec`.
 
     Args:
@@ -537,6 +679,18 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
         chain of elementwise ops (the chain's input) and bool masks bit-packed, recomputes
         only elementwise ops in the backward, and keeps gates exact (see the module
         docstring).
+      backward_slices: how many slices along the batch (leading) axis of the encoded inputs
+        the recomputed backward runs in, one after the other (``save="inputs"`` only). Each
+        slice recomputes and differentiates its rows alone, so the backward's working set
+        (the float32 cotangents of the block's attention scores and MLP hidden, say) is
+        divided by the slice count; the parameter cotangents are summed over slices in
+        float32. It trades a loop of that many iterations (the same matmuls on fewer rows,
+        none recomputed twice) and a different summation order of the parameter
+        cotangents for memory. Slicing happens only where the block's program is proven
+        separable along that axis (no batch statistics, no mixing of rows), else the
+        backward runs at once; a slice keeps at least 512 rows per matmul. ``None``
+        (default): 4 when the backward's cotangents are wider than the encoded inputs (a
+        bf16 block's float32 backward), else 1; ``1``: never slice.
 
     Returns:
       A function with `fun`'s signature. Its forward is `fun` unchanged.
@@ -567,12 +721,14 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
         flat, in_tree = tree_flatten(args)
         flat = [jnp.asarray(x) for x in flat]
         encode = [is_float_array(x) for x in flat]
-        return checkpoint_call(fun, flat, in_tree, encode, codec, policy, save)
+        return checkpoint_call(fun, flat, in_tree, encode, codec, policy, save,
+                               backward_slices=backward_slices)
 
     return wrapped
 
 
-def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None):
+def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None,
+                    *, backward_slices: int | None = None):
     """Calls ``fun(*tree_unflatten(in_tree, flat))`` as a compressed checkpoint.
 
     Args:
@@ -583,13 +739,16 @@ def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", st
         activation) or as it is (parameters, integer inputs).
       codec: a `Codec`; policy: a resolved `Policy`; save: a `check_save`-d mode.
       state: a delayed-scaling codec's state, or None.
+      backward_slices: as in `checkpoint` (None: automatic).
 
     Returns:
       `fun`'s output pytree.
     """
     fun_flat, box = _flat_closure(fun, flat, in_tree)
     converted, consts = jax.closure_convert(fun_flat, *flat)
-    out = _encoded_call(converted, codec, policy, encode, flat, consts, save, state)
+    plan = _slice_plan(fun_flat, converted, consts, flat, encode, policy, save,
+                       check_slices(backward_slices))
+    out = _encoded_call(converted, codec, policy, encode, flat, consts, save, state, plan)
     return tree_unflatten(box[-1], list(out))
 
 
@@ -618,7 +777,8 @@ def _check_codec_state(codec, codec_state, save: str, where: str):
 
 def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = False,
          unroll: int | bool = 1, *, codec, policy: Policy | None = None,
-         tangent_dtype=None, save: str = "inputs", codec_state=None):
+         tangent_dtype=None, save: str = "inputs", codec_state=None,
+         backward_slices: int | None = None):
     """`lax.scan` whose steps save their carry encoded with `codec` and are recomputed in the
     backward (in tangent precision).
 
@@ -650,6 +810,8 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
       save: ``"inputs"`` or ``"residuals"``, as in `checkpoint`.
       codec_state: the delayed-scaling state (``codec.init_state()``, then
         ``codec.update_state(...)``); only with a delayed-scaling codec and ``save="inputs"``.
+      backward_slices: as in `checkpoint`: the batch slices each step's recomputed backward
+        runs in (None: 4 for a float32 backward of a lower-precision carry, else 1).
 
     Returns:
       ``(carry, ys)`` as `lax.scan` returns, or ``(carry, ys, amaxes)`` with ``codec_state``.
@@ -682,7 +844,8 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         flat = [jnp.asarray(a) for a in flat]
         n_carry = len(tree_flatten(carry)[0])
         encode = [i < n_carry and is_float_array(a) for i, a in enumerate(flat)]
-        out = checkpoint_call(f, flat, in_tree, encode, codec, policy, save, codec_state)
+        out = checkpoint_call(f, flat, in_tree, encode, codec, policy, save, codec_state,
+                              backward_slices=backward_slices)
         if codec_state is None:
             return out
         encoded = [a for a, e in zip(flat, encode) if e]

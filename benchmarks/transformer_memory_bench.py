@@ -1,0 +1,240 @@
+"""Memory of a bf16 transformer's training step with compressed checkpoints, against the bf16
+remat scan a bf16 user runs today.
+
+The model: ``--blocks`` scanned bf16 pre-LN transformer blocks (LayerNorm without affine
+parameters; XLA attention: ``softmax(q k^T / sqrt(dh))`` with a causal mask, in bf16; GELU MLP
+4x; no biases), bf16 parameters and a bf16 carry. Loss: ``mean(carry**2)`` of the last carry
+(in float32). Two sizes: ``large`` (64 x 128 tokens, d=256, 4 heads) and ``small`` (16 x 128
+tokens, d=128, 4 heads).
+
+Columns (peak temp, ``jax.jit(step).lower(...).compile().memory_analysis()
+.temp_size_in_bytes``, compile only), each a ratio to the first:
+
+* ``remat bf16``: ``jax.grad`` over ``lax.scan(jax.checkpoint(block))``, bf16 carry and
+  parameters (bf16 gradients): the baseline;
+* ``remat f32``: the same model in float32 (float32 parameters and carry);
+* ``hg <codec>``: ``hg.grad`` over ``hg.scan(block, codec=<codec>)`` (float32 gradients,
+  float32 backward, default ``backward_slices``);
+* ``hg <codec> unsliced``: the same with ``backward_slices=1`` (the backward at once);
+* ``bf16-bwd <codec>``: ``jax.grad`` over ``hg.scan(..., tangent_dtype=jnp.bfloat16)``: the
+  same checkpoints with a bf16 backward (what the codec alone gives).
+
+``--sqnr`` adds the gradient SQNR (dB) against the float32 model (float32 parameters, carry
+and backward, ``lax.scan(jax.checkpoint)``) at 2 blocks of the small model, for the bf16 remat
+scan, the hg.scan codecs sliced and unsliced.
+
+``--hlo`` writes the HLO evidence of the sliced backward: the count of dot ops in the
+optimized HLO of one training step, sliced and unsliced (the same: no matmul recomputed),
+and the while loops that run the slices.
+
+Run from the repository root (one release at a time; a few minutes on 2 CPU cores)::
+
+    PYTHONPATH=. python benchmarks/transformer_memory_bench.py --sqnr --hlo
+
+It writes ``benchmarks/results/transformer_memory_jax<release>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import env_info, md_table, sqnr_db, write_json  # noqa: E402
+
+import hifigrad as hg  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CODECS = ["fp8_e4m3", "int8", "int4"]
+SIZES = {"large": dict(batch=64, seq=128, d=256, heads=4),
+         "small": dict(batch=16, seq=128, d=128, heads=4)}
+MiB = 2**20
+
+
+def init_params(key, *, blocks, d, dtype=jnp.bfloat16):
+    ks = jax.random.split(key, 4)
+    L = blocks
+
+    def w(k, shape, fan_in, scale=1.0):
+        return (jax.random.normal(k, (L, *shape)) * fan_in ** -0.5 * scale).astype(dtype)
+
+    return {"wqkv": w(ks[0], (d, 3 * d), d), "wo": w(ks[1], (d, d), d, L ** -0.5),
+            "w1": w(ks[2], (d, 4 * d), d), "w2": w(ks[3], (4 * d, d), 4 * d, L ** -0.5)}
+
+
+def layer_norm(x, eps=1e-5):
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * lax.rsqrt(var + eps)
+
+
+def make_block(heads):
+    def block(x, p):
+        b, t, d = x.shape
+        dh = d // heads
+        qkv = layer_norm(x) @ p["wqkv"]
+        q, k, v = jnp.split(qkv.reshape(b, t, 3, heads, dh), 3, axis=2)
+        q, k, v = (a[:, :, 0] for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(dh ** -0.5, x.dtype)
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        s = jnp.where(mask, s, jnp.asarray(-1e9 if x.dtype == jnp.float32 else -3e38, x.dtype))
+        a = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, d)
+        x = x + o @ p["wo"]
+        return x + jax.nn.gelu(layer_norm(x) @ p["w1"]) @ p["w2"]
+    return block
+
+
+def loss_of(carry):
+    return jnp.mean(jnp.square(carry.astype(jnp.float32)))
+
+
+def step_fns(heads):
+    """name -> (kind, grad function of (params, x))."""
+    block = make_block(heads)
+
+    def body(c, p):
+        return block(c, p), None
+
+    def remat(params, x):
+        return loss_of(lax.scan(jax.checkpoint(body), x, params)[0])
+
+    fns = {"remat bf16": jax.grad(remat), "remat f32": jax.grad(remat)}
+    for c in CODECS:
+        def hgscan(params, x, c=c, **kw):
+            return loss_of(hg.scan(body, x, params, codec=c, **kw)[0])
+        fns[f"hg {c}"] = hg.grad(hgscan)
+        fns[f"hg {c} unsliced"] = hg.grad(lambda p, x, c=c: hgscan(p, x, c, backward_slices=1))
+        fns[f"bf16-bwd {c}"] = jax.grad(
+            lambda p, x, c=c: hgscan(p, x, c, tangent_dtype=jnp.bfloat16))
+    return fns
+
+
+def abstract(size, blocks, dtype):
+    cfg = SIZES[size]
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), blocks=blocks,
+                                                d=cfg["d"], dtype=dtype))
+    x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d"]), dtype)
+    return params, x
+
+
+def compiled(fn, size, blocks, name):
+    dtype = jnp.float32 if name == "remat f32" else jnp.bfloat16
+    return jax.jit(fn).lower(*abstract(size, blocks, dtype)).compile()
+
+
+def peak_temp(fn, size, blocks, name) -> int:
+    return compiled(fn, size, blocks, name).memory_analysis().temp_size_in_bytes
+
+
+def hlo_counts(fn, size, blocks, name) -> dict:
+    text = compiled(fn, size, blocks, name).as_text()
+    return {"dot": len(re.findall(r"= \S+ dot\(", text)),
+            "while": len(re.findall(r"= \S+ while\(", text)),
+            "fusion": len(re.findall(r"= \S+ fusion\(", text))}
+
+
+def sqnr_rows(names, fns, heads):
+    """Gradient SQNR (dB) vs the float32 model, small model at 2 blocks."""
+    cfg = SIZES["small"]
+    key = jax.random.PRNGKey(1)
+    p32 = init_params(key, blocks=2, d=cfg["d"], dtype=jnp.float32)
+    x32 = jax.random.normal(jax.random.PRNGKey(2), (cfg["batch"], cfg["seq"], cfg["d"]))
+    ref = jax.jit(fns["remat f32"])(p32, x32)
+    p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), p32)
+    out = {}
+    for n in names:
+        if n == "remat f32":
+            continue
+        g = jax.jit(fns[n])(p16, x32.astype(jnp.bfloat16))
+        dts = {a.dtype.name for a in jax.tree_util.tree_leaves(g)}
+        flat = [np.asarray(a, np.float64).ravel() for a in jax.tree_util.tree_leaves(g)]
+        flat_ref = [np.asarray(a, np.float64).ravel() for a in jax.tree_util.tree_leaves(ref)]
+        out[n] = {"sqnr_db": sqnr_db(np.concatenate(flat_ref), np.concatenate(flat)),
+                  "grad_dtypes": sorted(dts)}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--depths", default="4,12,24,48")
+    ap.add_argument("--small-depths", default="4,16")
+    ap.add_argument("--sqnr", action="store_true")
+    ap.add_argument("--hlo", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    heads = 4
+    fns = step_fns(heads)
+    names = list(fns)
+    runs = [("large", int(b)) for b in args.depths.split(",") if b] + \
+        [("small", int(b)) for b in args.small_depths.split(",") if b]
+    temps = {}
+    for size, blocks in runs:
+        row = {}
+        for n in names:
+            row[n] = peak_temp(fns[n], size, blocks, n)
+            print(f"{size} {blocks:3d} {n:24s} {row[n] / MiB:9.2f} MiB", flush=True)
+        temps[f"{size} {blocks}"] = row
+    result = {"env": env_info(sys.argv if argv is None else argv), "jax": jax.__version__,
+              "peak_temp_bytes": temps}
+    if args.hlo:
+        result["hlo"] = {n: hlo_counts(fns[n], "large", 12, n)
+                         for n in ("remat bf16", "hg int8", "hg int8 unsliced",
+                                   "bf16-bwd int8")}
+    if args.sqnr:
+        result["sqnr"] = sqnr_rows(names, fns, heads)
+    write(result, args.out)
+
+
+def write(result, out_dir):
+    ver = result["jax"]
+    base = os.path.join(out_dir, f"transformer_memory_jax{ver}")
+    write_json(base + ".json", result)
+    temps = result["peak_temp_bytes"]
+    lines = [f"# bf16 transformer: peak temp against the bf16 remat scan (jax {ver}, CPU)", "",
+             "Written by `PYTHONPATH=. python benchmarks/transformer_memory_bench.py "
+             "--sqnr --hlo`. Peak temp is `compile().memory_analysis().temp_size_in_bytes` "
+             "of one training step; *x*: ratio to `remat bf16`; *vs bf16-bwd*: `hg <codec>` "
+             "over `bf16-bwd <codec>` (the same checkpoints with a bf16 backward).", ""]
+    header = ["model", "blocks", "remat bf16 MiB", "remat f32"]
+    for c in CODECS:
+        header += [f"hg {c}", f"{c} unsliced", f"bf16-bwd {c}", f"{c} vs bf16-bwd"]
+    rows = []
+    for key, row in temps.items():
+        size, blocks = key.split()
+        b = row["remat bf16"]
+        r = [size, blocks, f"{b / MiB:.1f}", f"{row['remat f32'] / b:.2f}x"]
+        for c in CODECS:
+            r += [f"{row[f'hg {c}'] / b:.3f}x", f"{row[f'hg {c} unsliced'] / b:.3f}x",
+                  f"{row[f'bf16-bwd {c}'] / b:.3f}x",
+                  f"{row[f'hg {c}'] / row[f'bf16-bwd {c}']:.3f}"]
+        rows.append(r)
+    lines += [md_table(header, rows), ""]
+    if "sqnr" in result:
+        lines += ["## Gradient SQNR vs the float32 model (small model, 2 blocks)", "",
+                  md_table(["variant", "SQNR dB", "gradient dtypes"],
+                           [[n, f"{v['sqnr_db']:.2f}", ", ".join(v["grad_dtypes"])]
+                            for n, v in result["sqnr"].items()]), ""]
+    if "hlo" in result:
+        lines += ["## HLO of one training step (large model, 12 blocks)", "",
+                  "Ops in the optimized HLO (`compile().as_text()`): the sliced backward has "
+                  "the dots of the unsliced one (no matmul recomputed), inside one more while "
+                  "loop (the slices).", "",
+                  md_table(["variant", "dot", "while", "fusion"],
+                           [[n, v["dot"], v["while"], v["fusion"]]
+                            for n, v in result["hlo"].items()]), ""]
+    lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("wrote", base + ".md")
+
+
+if __name__ == "__main__":
+    main()
