@@ -1,7 +1,9 @@
 # The two commands a new user runs (see README):
-#   make demo   -- sets up a virtual environment when missing, then runs the main demo
-#   make test   -- sets up a virtual environment when missing, then runs the test suite
-# PYTHON selects the interpreter; each gets its own venv.
+#   make demo   -- sets up a virtual environment with hifigrad[demo] when missing (only what the
+#                  demo imports: flax, optax, rich, matplotlib), then runs the main demo
+#   make test   -- sets up a virtual environment with hifigrad[test] when missing, then runs the
+#                  test suite
+# PYTHON selects the interpreter; each gets its own venvs.
 # JAX selects a tested JAX release (one of ci/jax-*.txt, e.g. JAX=0.11.2): the venv then gets
 # exactly the pinned packages of that file (what CI installs), in a venv of its own.
 PYTHON ?= python3
@@ -10,6 +12,8 @@ PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])
 VENV ?= .venv-$(PYVER)$(if $(JAX),-jax$(JAX))
 PINS := $(if $(JAX),ci/jax-$(JAX).txt)
 STAMP := $(VENV)/.installed-stamp
+DEMO_VENV ?= .venv-$(PYVER)$(if $(JAX),-jax$(JAX))-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
 PYTEST_ARGS ?=
 DEMO_ARGS ?= --out demo-out
 # The subset CI runs on the releases it does not test in full: the API, the rules, the
@@ -31,8 +35,17 @@ $(STAMP): pyproject.toml $(PINS)
 	$(VENV)/bin/python -m pip install -q -e '.[test]' $(if $(PINS),-c $(PINS))
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/python -m hifigrad demo $(DEMO_ARGS)
+# The demo's venv: hifigrad and its `demo` extra only (not the test suite's frameworks).
+$(DEMO_STAMP): pyproject.toml $(PINS)
+	@if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
+		echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DEMO_VENV)/bin/python -m pip install -q -e '.[demo]' $(if $(PINS),-c $(PINS))
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/python -m hifigrad demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
@@ -82,6 +95,8 @@ $(DOCS_STAMP): pyproject.toml
 docs: $(DOCS_STAMP)
 	$(DOCS_VENV)/bin/python -m mkdocs build --strict --site-dir site
 
+# The site with its search box (search needs a server; site/ opened from disk has the pages
+# and their links but no search): http://127.0.0.1:8000/
 docs-serve: $(DOCS_STAMP)
 	$(DOCS_VENV)/bin/python -m mkdocs serve
 

@@ -156,8 +156,11 @@ def test_public_docstring_is_complete(name):
 # ------------------------------------------------------------------------------ JAX releases
 
 
+_RELEASE_ROW = re.compile(r"^\| (\d+\.\d+\.\d+(?:\.\d+)?) \| (3\.1\d(?:, 3\.1\d)*) \|", re.M)
+
+
 def _release_rows(text: str) -> list[str]:
-    return re.findall(r"^\| (\d+\.\d+\.\d+(?:\.\d+)?) \| 3\.1\d \|", text, re.M)
+    return [release for release, _ in _RELEASE_ROW.findall(text)]
 
 
 @pytest.mark.parametrize("where", ["README.md", "docs/jax-releases.md"])
@@ -179,3 +182,295 @@ def test_version_lives_in_pyproject_only():
     assert headings and headings[0] == "Unreleased"
     released = headings[1:]
     assert not released or released[0] == version
+
+
+def test_python_versions_agree_between_ci_classifiers_and_release_tables():
+    """Each Python version CI tests (.ci/run) is a classifier and in both releases tables."""
+    import tomllib
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    lanes = set(re.findall(r"PYTHON=\$PY3(\d\d)", ci))
+    tested = {f"3.{v}" for v in lanes}
+    classifiers = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["classifiers"]
+    declared = {c.rsplit(" :: ", 1)[1] for c in classifiers
+                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
+    assert declared == tested
+    for where in ("README.md", "docs/jax-releases.md"):
+        cells = _RELEASE_ROW.findall((ROOT / where).read_text())
+        assert {v for _, pythons in cells for v in pythons.split(", ")} == tested, where
+
+
+# ------------------------------------------------------------------------------ rendering
+# What the built site shows, checked on the sources: each test below failed on a defect seen
+# in the rendered site (API reference, home page, benchmarks page).
+
+def _mkdocs_option(name: str) -> str | None:
+    m = re.search(rf"^\s*{name}:\s*(\S+)", (ROOT / "mkdocs.yml").read_text(), re.M)
+    return m.group(1) if m else None
+
+
+def _documented_callables():
+    """(name, object) of every function and method the API reference renders."""
+    out = []
+    for name in sorted(_public_names() | _documented()):
+        try:
+            obj = _resolve(name)
+        except ImportError:
+            continue
+        out.append((name, obj))
+        if inspect.isclass(obj):
+            out += [(f"{name}.{k}", v) for k, v in vars(obj).items()
+                    if not k.startswith("_") and inspect.isfunction(v)]
+    return out
+
+
+def _returns_items(doc: str, multiple: bool) -> list[list[str]] | None:
+    """The items of a Google-style Returns section as griffe (mkdocstrings) splits them: with
+    ``returns_multiple_items`` each line at the section's own indentation starts an item."""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "Returns:" and not line.startswith(" "):
+            body = []
+            for ln in lines[i + 1:]:
+                if not ln.strip() or not ln.startswith(" "):
+                    break
+                body.append(ln)
+            if not multiple:
+                return [body]
+            base = len(body[0]) - len(body[0].lstrip())
+            items: list[list[str]] = []
+            for ln in body:
+                if len(ln) - len(ln.lstrip()) == base:
+                    items.append([])
+                items[-1].append(ln)
+            return items
+    return None
+
+
+def test_returns_sections_render_as_one_paragraph():
+    """A prose Returns section is one item without a name or a type (rendered as a paragraph
+    by docs/_templates): split per line it rendered as 2-3 broken table rows, and a first line
+    ``word: ...`` would render ``word`` as the returned value's name."""
+    multiple = _mkdocs_option("returns_multiple_items") != "false"
+    assert (ROOT / "docs/_templates/python/material/docstring/returns.html.jinja").exists()
+    assert _mkdocs_option("custom_templates") == "docs/_templates"
+    bad = []
+    for name, obj in _documented_callables():
+        items = _returns_items(inspect.getdoc(obj) or "", multiple)
+        if items is None:
+            continue
+        if len(items) != 1:
+            bad.append(f"{name}: {len(items)} items")
+        elif re.match(r"^\s*(\w+)?\s*(\(.+\))?:", items[0][0]):
+            bad.append(f"{name}: first line reads as 'name (type):' {items[0][0].strip()!r}")
+    assert not bad, bad
+
+
+def test_returns_check_catches_a_line_per_item():
+    doc = "Summary.\n\nReturns:\n  A function that returns the gradient (with\n  aux).\n"
+    assert len(_returns_items(doc, multiple=True)) == 2
+    assert len(_returns_items(doc, multiple=False)) == 1
+
+
+def _private_defaults(obj) -> list[str]:
+    """Parameters whose default, as a rendered signature shows it (the source text), is a
+    private name or an anonymous sentinel."""
+    import ast
+    import textwrap
+
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError):
+        return []
+    node = tree.body[0]
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    args = node.args
+    pairs = list(zip(reversed(args.args + args.posonlyargs), reversed(args.defaults)))
+    pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    bad = []
+    for arg, default in pairs:
+        text = ast.unparse(default)
+        if re.search(r"(^|\.)_[A-Za-z]", text) or "object()" in text:
+            bad.append(f"{arg.arg}={text}")
+    return bad
+
+
+def test_no_private_default_in_a_rendered_signature():
+    bad = {name: d for name, obj in _documented_callables()
+           if (inspect.isfunction(obj) or inspect.isclass(obj)) and (d := _private_defaults(obj))}
+    assert not bad, bad
+
+
+def test_private_default_check_catches_a_sentinel():
+    _MISSING = object()
+
+    def f(g=_MISSING, *, h=None):
+        return g, h
+
+    assert _private_defaults(f) == ["g=_MISSING"]
+
+
+def _toc_labels(page: str) -> list[str]:
+    """The table of contents of an API page: its headings and each object's short name."""
+    text = (DOCS / page).read_text()
+    labels = re.findall(r"^#{2,3} (.+)$", text, re.M)
+    labels += [m.rsplit(".", 1)[-1] for m in re.findall(r"^::: (\S+)", text, re.M)]
+    return labels
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix()
+                                        for p in (DOCS / "api").glob("*.md")))
+def test_api_page_toc_has_no_duplicate_label(page):
+    labels = _toc_labels(page)
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    assert not dup, f"docs/{page}: twice in the table of contents: {dup}"
+
+
+def _code_lines(text: str) -> list[str]:
+    return [ln for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+            for ln in block.splitlines()]
+
+
+# A code line wider than this is cut off (scrolls) in the content column of a 1280-pixel-wide
+# window; the site's grid (docs/stylesheets/extra.css) leaves 100 columns on a wide screen.
+FIRST_PAGES_CODE_WIDTH = 80
+CODE_WIDTH = 100
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix()
+                                        for p in DOCS.rglob("*.md")))
+def test_page_code_lines_fit(page):
+    limit = FIRST_PAGES_CODE_WIDTH if page in ("index.md", "getting-started.md") else CODE_WIDTH
+    long = [ln for ln in _code_lines((DOCS / page).read_text()) if len(ln) > limit]
+    assert not long, f"docs/{page}: code lines over {limit} columns: {long}"
+
+
+def test_readme_code_lines_fit():
+    text = (ROOT / "README.md").read_text()
+    long = [ln for ln in _code_lines(text) if len(ln) > FIRST_PAGES_CODE_WIDTH]
+    assert not long, long
+
+
+def _table_min_width_px(rows: list[list[str]]) -> int:
+    """The narrowest a Markdown table renders on the site: per column, its longest unbreakable
+    token (a word, or a code span's word: extra.css keeps code from breaking inside a name) at
+    ~7 px a character in table type, plus cell padding, and at least a header cell's 3.5rem."""
+    width = 0
+    for col in range(len(rows[0])):
+        longest = 0
+        for row in rows:
+            cell = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", row[col] if col < len(row) else "")
+            longest = max([longest] + [len(w) for w in cell.replace("`", " ").split()])
+        width += max(70, 7 * longest + 40)
+    return width
+
+
+# The content column of the site's 1440-pixel grid beside both sidebars.
+TABLE_WIDTH_PX = 900
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    tables, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            if not re.fullmatch(r"\|[-:| ]+\|", line):
+                rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix()
+                                        for p in DOCS.rglob("*.md")))
+def test_page_tables_fit_the_page(page):
+    wide = [(t[0], _table_min_width_px(t)) for t in _tables((DOCS / page).read_text())
+            if _table_min_width_px(t) > TABLE_WIDTH_PX]
+    assert not wide, f"docs/{page}: tables wider than the page (scroll): {wide}"
+
+
+def test_table_width_check_catches_the_twelve_column_demo_table():
+    header = ["mode", "SQNR@0 dB", "SQNR dB", "final loss", "Δfinal", "mean|Δ|", "val loss",
+              "saved MB", "blocks MB", "temp MB", "step ms", "compile s"]
+    row = ["fp16 jax.grad loss-scaled"] + ["-0.00058"] * 11
+    assert _table_min_width_px([header, row]) > TABLE_WIDTH_PX
+
+
+def test_site_opens_from_disk_and_names_its_server():
+    """Pages link to files (page.html), not directories, so site/ works from file://; the
+    README says how to serve it with search."""
+    assert _mkdocs_option("use_directory_urls") == "false"
+    assert "make docs-serve" in (ROOT / "README.md").read_text()
+    assert re.search(r"^docs-serve:", (ROOT / "Makefile").read_text(), re.M)
+
+
+# ------------------------------------------------------------------------------ README, sdist
+
+def _site_url() -> str:
+    return _mkdocs_option("site_url")
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    """Heading ids as Python-Markdown's toc extension makes them."""
+    out = set()
+    for h in re.findall(r"^#{1,6} (.+)$", page.read_text(), re.M):
+        h = re.sub(r"`|\*", "", h).strip().lower()
+        h = re.sub(r"[^\w\s-]", "", h)
+        out.add(re.sub(r"[-\s]+", "-", h).strip("-"))
+    return out
+
+
+def test_readme_links_work_on_a_package_index_page():
+    """The README is the package's long description: every link is absolute, and each link
+    into the docs site names a page (and heading) the site has."""
+    import tomllib
+
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links
+    relative = [u for u in links if not u.startswith("https://")]
+    assert not relative, relative
+    site = _site_url()
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert urls["Documentation"] == site
+    repo_blob = urls["Source"] + "/blob/main/"
+    for url in links:
+        if url.startswith(site):
+            path, _, anchor = url[len(site):].partition("#")
+            page = DOCS / (path[:-len(".html")] + ".md")
+            assert path.endswith(".html") and page.exists(), url
+            assert not anchor or anchor in _anchors(page), url
+        elif url.startswith(repo_blob):
+            assert (ROOT / url[len(repo_blob):]).exists(), url
+
+
+def test_sdist_selection_holds_sources_and_nothing_machine_specific():
+    """pyproject.toml's sdist list: the package, tests, examples, benchmark scripts and docs
+    sources (with the site's templates and stylesheet); no CI scripts or pins (interpreter
+    paths), images or measured results."""
+    import fnmatch
+    import tomllib
+
+    sdist = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"][
+        "targets"]["sdist"]
+    include = [p.lstrip("/") for p in sdist["include"]]
+
+    def shipped(path: str) -> bool:
+        # gitignore-style patterns, as hatchling reads them: `**/` also matches no folder
+        return any(path == p or path.startswith(p + "/") or fnmatch.fnmatch(path, p)
+                   or fnmatch.fnmatch(path, p.replace("**/", "")) for p in include)
+
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+             if p.is_file() and not any(part.startswith(".venv") or part in (
+                 ".git", "__pycache__", "site", ".pytest_cache", ".hypothesis")
+                 for part in p.relative_to(ROOT).parts)]
+    for must in ("hifigrad/__init__.py", "hifigrad/py.typed", "tests/test_docs.py",
+                 "docs/index.md", "docs/stylesheets/extra.css", "mkdocs.yml", "LICENSE",
+                 "docs/_templates/python/material/docstring/returns.html.jinja"):
+        assert shipped(must), must
+    never = [f for f in files if shipped(f) and (
+        f.startswith((".ci/", "ci/", "benchmarks/results/", "docs/img/", "demo-out/"))
+        or f.endswith((".png", ".json")))]
+    assert not never, never
