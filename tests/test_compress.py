@@ -1,0 +1,370 @@
+"""hg.compress_checkpoints: the checkpoints a model already has, compressed, on every framework.
+
+References: with ``codec="none"`` the gradients equal `hg.grad` of the unmodified function (the
+same float32 backward, recomputed from the same bf16/f32 values: equal to float32 rounding of a
+reordered sum, so rtol 1e-6 ~ 8 float32 ulps); with a codec they equal `hg.scan`'s with that
+codec on the same model (the same encoded carries, the same recomputation: bitwise on CPU,
+rtol 1e-6 elsewhere). Each case runs jitted and not.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from platforms import highest_precision
+
+import hifigrad as hg
+
+RTOL = 1e-6
+
+
+def _close(a, b, rtol=RTOL):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        assert x.dtype == y.dtype, (x.dtype, y.dtype)
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * np.abs(y).max())
+
+
+# ------------------------------------------------------------------ a trainer's remat scan
+
+def _layer(c, xs):
+    """A layer as trainers write it: per-layer weights and a typed PRNG key in `xs`, a named
+    intermediate, dropout."""
+    w, key = xs
+    h = checkpoint_name(jnp.tanh(c @ w), "h")
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    return jnp.where(keep, h, jnp.zeros_like(h)).astype(c.dtype), None
+
+
+def _trainer_loss(ws, x, keys):
+    layer = jax.checkpoint(_layer, policy=jax.checkpoint_policies.save_only_these_names("h"))
+    y = jax.lax.scan(layer, x, (ws, keys))[0]
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+
+def _hg_scan_loss(codec):
+    def loss(ws, x, keys):
+        y = hg.scan(_layer, x, (ws, keys), codec=codec)[0]
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    return loss
+
+
+def _trainer_args(dtype):
+    ws = (jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3).astype(dtype)
+    x = jax.random.normal(jax.random.key(1), (8, 16)).astype(dtype)
+    return ws, x, jax.random.split(jax.random.key(2), 4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_codec_none_equals_hg_grad_of_the_unmodified_function(maybe_jit, dtype):
+    args = _trainer_args(dtype)
+    with highest_precision():
+        got = maybe_jit(hg.grad(hg.compress_checkpoints(_trainer_loss, "none"),
+                                argnums=(0, 1)))(*args)
+        want = maybe_jit(hg.grad(_trainer_loss, argnums=(0, 1)))(*args)
+    assert all(g.dtype == jnp.float32 for g in got)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("codec, outer", [("int8", "jax.grad"), ("fp8_e4m3", "hg.grad"),
+                                          ("int4", "jax.grad")])
+def test_codec_equals_hg_scan_with_that_codec(maybe_jit, codec, outer):
+    args = _trainer_args(jnp.bfloat16)
+    grad = jax.grad if outer == "jax.grad" else hg.grad
+    with highest_precision():
+        got = maybe_jit(grad(hg.compress_checkpoints(_trainer_loss, codec), argnums=(0, 1)))(
+            *args)
+        want = maybe_jit(grad(_hg_scan_loss(codec), argnums=(0, 1)))(*args)
+    _close(got, want)
+
+
+def test_forward_is_the_function_s_own():
+    args = _trainer_args(jnp.bfloat16)
+    f = hg.compress_checkpoints(_trainer_loss, "int4")
+    assert np.asarray(f(*args)) == np.asarray(_trainer_loss(*args))
+    assert np.asarray(jax.jit(f)(*args)) == np.asarray(jax.jit(_trainer_loss)(*args))
+
+
+def _saved(f, *args):
+    """(dtype name, shape) of every residual the forward saves for the backward (the leaves of
+    the `jax.vjp` function, a pytree of them)."""
+    def describe(r):
+        if jax.dtypes.issubdtype(r.dtype, jax.dtypes.extended):
+            return "key", tuple(r.shape)
+        return np.dtype(r.dtype).name, tuple(r.shape)
+    return [describe(r) for r in jax.tree_util.tree_leaves(jax.vjp(f, *args)[1])]
+
+
+def test_saves_the_carry_encoded_and_the_parameters_as_they_are():
+    ws, x, keys = _trainer_args(jnp.bfloat16)
+    plain = _saved(_trainer_loss, ws, x, keys)
+    comp = _saved(hg.compress_checkpoints(_trainer_loss, "int8"), ws, x, keys)
+    # jax.checkpoint with save_only_these_names('h') saves the bf16 carries and the named h
+    assert ("bfloat16", (4, 8, 16)) in plain
+    # compressed: no bf16 carry-sized array per layer, an int8 encoding instead; the per-layer
+    # weights (xs) and keys are saved as they are (not encoded)
+    assert ("bfloat16", (4, 8, 16)) not in comp
+    assert any(d == "int8" and s[0] == 4 for d, s in comp), comp
+    assert ("bfloat16", (4, 16, 16)) in comp
+    assert ("key", (4,)) in comp
+    enc = sum(np.prod(s) * np.dtype(d).itemsize for d, s in comp if d == "int8")
+    assert enc < 4 * 8 * 16 * 2  # less than the bf16 carries
+
+
+def test_unrolled_layers_encode_activations_not_parameter_casts():
+    """An unrolled model: the checkpoint's inputs are a previous layer's output (encoded) and a
+    cast of a float32 master weight (a parameter: saved as it is)."""
+    block = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))
+
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = block(h, w.astype(jnp.bfloat16))
+        return jnp.sum(h.astype(jnp.float32))
+
+    ws = [jax.random.normal(jax.random.key(i), (16, 16)) * 0.3 for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (8, 16)).astype(jnp.bfloat16)
+    comp = _saved(hg.compress_checkpoints(loss, "int8"), ws, x)
+    assert ("bfloat16", (16, 16)) in comp  # the parameter casts, as they are
+    assert ("bfloat16", (8, 16)) in comp  # the first block's input is the function's input x
+    assert sum(d == "int8" for d, _ in comp) == 2  # the two later blocks' inputs are encoded
+    with highest_precision():
+        _close(hg.grad(hg.compress_checkpoints(loss, "none"))(ws, x), hg.grad(loss)(ws, x))
+
+
+def test_checkpoints_in_loops_branches_and_jit(maybe_jit):
+    block = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))
+
+    def loss(w, x):
+        h = jax.lax.fori_loop(0, 3, lambda i, h: block(h, w), x)  # a while loop
+        h = jax.lax.cond(h.sum() > 0, lambda h: block(h, w), lambda h: -block(h, w), h)
+        h = jax.jit(lambda h: block(h, w))(h)
+        return jnp.sum(h ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (16, 16)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    with highest_precision():
+        _close(maybe_jit(jax.grad(hg.compress_checkpoints(loss, "none")))(w, x),
+               maybe_jit(jax.grad(loss))(w, x))
+    # with a codec, every one of the 5 checkpoints saves its input encoded
+    # (fori_loop with a constant trip count lowers to a scan under reverse-mode AD)
+    assert sum(d == "int8" for d, _ in _saved(hg.compress_checkpoints(loss, "int8"), w, x)) >= 3
+
+
+def test_vmap_and_save_residuals(maybe_jit):
+    args = _trainer_args(jnp.float32)
+    f = hg.compress_checkpoints(_trainer_loss, "int8", save="residuals")
+    g = maybe_jit(jax.vmap(jax.grad(f), in_axes=(None, 0, None)))(
+        args[0], jnp.stack([args[1], -args[1]]), args[2])
+    want = _hg_scan_loss_save(codec="int8", save="residuals")
+    w = jax.grad(want)(args[0], -args[1], args[2])
+    with highest_precision():
+        _close(g[1], w)
+
+
+def _hg_scan_loss_save(codec, save):
+    def loss(ws, x, keys):
+        y = hg.scan(_layer, x, (ws, keys), codec=codec, save=save)[0]
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    return loss
+
+
+def test_non_array_leaves_and_outputs_pass_through():
+    """Non-array leaves of the arguments (a float, a string, a function) are static, and
+    non-array outputs come back as they are."""
+    def loss(w, x, config):
+        y = jax.checkpoint(lambda x, w: config["act"](x @ w))(x, w)
+        return jnp.sum(y) * config["scale"], {"name": config["name"], "n": 3}
+
+    config = {"scale": 2.0, "name": "layer", "act": jnp.tanh}
+    w, x = jnp.ones((4, 4)) * 0.1, jnp.ones((2, 4))
+    (v, aux), g = jax.value_and_grad(hg.compress_checkpoints(loss, "int8"), has_aux=True)(
+        w, x, config)
+    (v0, _), g0 = jax.value_and_grad(loss, has_aux=True)(w, x, config)
+    assert aux == {"name": "layer", "n": 3}
+    assert v == v0
+    np.testing.assert_allclose(g, g0, rtol=2 ** -6)  # int8 carries: 2**-7 relative error
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(codec="nope"), ValueError, "codec"),
+    (dict(codec="int8", save="everything"), ValueError, "save"),
+    (dict(codec="int8", policy=jax.checkpoint_policies.nothing_saveable), TypeError,
+     "hifigrad.Policy"),
+    (dict(codec=hg.codecs.DelayedFP8Codec()), TypeError, "codec_state"),
+])
+def test_bad_arguments_name_the_fix(bad, error, match):
+    with pytest.raises(error, match=match):
+        hg.compress_checkpoints(_trainer_loss, **bad)
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="expected a function"):
+        hg.compress_checkpoints(3, "int8")
+
+
+# ------------------------------------------------------------------ frameworks
+
+def test_flax_linen_scan_of_remat():
+    import flax.linen as nn
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(16, dtype=jnp.bfloat16)(x))
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return Body(name="body")(x), None
+
+    Stack = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=4)
+    x = jax.random.normal(jax.random.key(1), (8, 16)).astype(jnp.bfloat16)
+    params = Stack().init(jax.random.key(0), x, None)
+
+    def loss(p, x):
+        return jnp.sum(Stack().apply(p, x, None)[0].astype(jnp.float32) ** 2)
+
+    with highest_precision():
+        _close(hg.grad(hg.compress_checkpoints(loss, "none"))(params, x), hg.grad(loss)(params, x))
+        # the same blocks through hifigrad's own linen remat_scan with the codec: the same
+        # gradients
+        ref = hg.flax.remat_scan(Body, lengths=(4,), codec="int8",
+                                 variable_axes={"params": 0}, split_rngs={"params": True})
+        ref_params = ref().init(jax.random.key(0), x)
+        ref_params = jax.tree_util.tree_unflatten(  # the same weights
+            jax.tree_util.tree_structure(ref_params),
+            jax.tree_util.tree_leaves(params["params"]["body"]))
+        want = jax.grad(lambda p: jnp.sum(ref().apply(p, x).astype(jnp.float32) ** 2))(
+            ref_params)
+        got = jax.grad(hg.compress_checkpoints(loss, "int8"))(params, x)
+    _close(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+
+
+def _nnx_model(with_counter=False, dtype=jnp.bfloat16):
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 16, param_dtype=dtype, dtype=dtype, rngs=rngs)
+            if with_counter:
+                self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            if with_counter:
+                self.calls[...] += 1
+            return jnp.tanh(self.lin(x))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.blocks = make(jax.random.split(jax.random.key(0), 4))
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            @nnx.remat
+            def step(block, x):
+                return block(x)
+
+            return step(self.blocks, x)
+
+    return Model()
+
+
+def _nnx_loss(model, x):
+    return jnp.sum(model(x).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("outer, dtype", [("nnx.grad", jnp.float32),
+                                          ("hg.flax.grad", jnp.bfloat16)])
+def test_flax_nnx_scan_of_remat(outer, dtype):
+    """nnx.grad of a float32 model (a bf16 one's cotangents would be rounded to bf16 at each
+    checkpoint's boundary, a float32 one's are not) and hg.flax.grad of a bf16 one."""
+    from flax import nnx
+
+    grad = nnx.grad if outer == "nnx.grad" else hg.flax.grad
+    x = jax.random.normal(jax.random.key(1), (8, 16)).astype(dtype)
+    model = _nnx_model(dtype=dtype)
+    with highest_precision():
+        got = grad(hg.compress_checkpoints(_nnx_loss, "none"))(model, x)
+        want = grad(_nnx_loss)(model, x)
+        _close(nnx.state(got), nnx.state(want))
+        # with a codec: the same blocks through hg.scan
+        got = grad(hg.compress_checkpoints(_nnx_loss, "int8"))(model, x)
+        want = grad(_nnx_scan_loss)(model, x)
+    _close(nnx.state(got), nnx.state(want))
+
+
+def _nnx_scan_loss(model, x):
+    from flax import nnx
+
+    graphdef, state = nnx.split(model.blocks)
+
+    def body(c, s):
+        return nnx.merge(graphdef, s)(c), None
+
+    y = hg.scan(body, x, state, codec="int8")[0]
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+
+def test_flax_nnx_variable_updates_reach_the_caller():
+    from flax import nnx
+
+    x = jnp.ones((8, 16), jnp.bfloat16)
+    model = _nnx_model(with_counter=True)
+    ref = _nnx_model(with_counter=True)
+    nnx.grad(hg.compress_checkpoints(_nnx_loss, "int8"))(model, x)
+    nnx.grad(_nnx_loss)(ref, x)
+    assert np.array_equal(np.asarray(model.blocks.calls[...]), np.asarray(ref.blocks.calls[...]))
+    assert int(model.blocks.calls[...].sum()) == 4
+
+
+def _eqx_mlp(dtype):
+    import equinox as eqx
+
+    class MLP(eqx.Module):
+        layers: list
+        act: object
+
+        def __init__(self, key):
+            keys = jax.random.split(key, 4)
+            self.layers = [eqx.nn.Linear(16, 16, key=k, dtype=dtype) for k in keys]
+            self.act = jax.nn.gelu
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = eqx.filter_checkpoint(lambda l, x: self.act(jax.vmap(l)(x)))(layer, x)
+            return x
+
+    return MLP(jax.random.key(0))
+
+
+def _eqx_loss(m, x):
+    return jnp.sum(m(x).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("outer, dtype", [("eqx.filter_grad", jnp.float32),
+                                          ("hg.equinox.filter_grad", jnp.bfloat16)])
+def test_equinox_filter_checkpoint(outer, dtype):
+    import equinox as eqx
+
+    grad = eqx.filter_grad if outer == "eqx.filter_grad" else hg.equinox.filter_grad
+    model = _eqx_mlp(dtype)
+    x = jax.random.normal(jax.random.key(1), (8, 16)).astype(dtype)
+    with highest_precision():
+        got = eqx.filter_jit(grad(hg.compress_checkpoints(_eqx_loss, "none")))(model, x)
+        want = eqx.filter_jit(grad(_eqx_loss))(model, x)
+    _close(eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array))
+    got = grad(hg.compress_checkpoints(_eqx_loss, "fp8_e4m3"))(model, x)
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(
+        eqx.filter(got, eqx.is_array)))
+    params, static = eqx.partition(model, eqx.is_array)
+    comp = _saved(lambda p, x: hg.compress_checkpoints(_eqx_loss, "fp8_e4m3")(
+        eqx.combine(p, static), x), params, x)
+    # layers 2-4's inputs, one byte an element (fp8 bits); layer 1's is the function's input
+    assert sum(np.dtype(d).itemsize == 1 and s == (8, 16) for d, s in comp) == 3
