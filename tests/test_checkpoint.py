@@ -638,3 +638,55 @@ def test_float32_backward_peak_temp_within_bf16_backwards():
     remat = temp(jax.grad, lambda p, x: lax.scan(jax.checkpoint(block), x, p)[0])
     assert f32 <= 1.03 * bf16, (f32 / bf16, f32, bf16)
     assert f32 <= remat, (f32 / remat, f32, remat)
+
+
+# ------------------------------------------------------------------------------ typed PRNG keys
+
+def _dropout_body(c, xs):
+    """A layer with its own typed PRNG key in `xs` (dropout)."""
+    w, key = xs
+    h = jnp.tanh(c @ w)
+    return jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h, jnp.zeros_like(h)), None
+
+
+def _key_carry_body(c, w):
+    """The key travels in the carry and is split every step."""
+    h, key = c
+    key, sub = jax.random.split(key)
+    h = jnp.tanh(h @ w)
+    return (jnp.where(jax.random.bernoulli(sub, 0.9, h.shape), h, jnp.zeros_like(h)), key), None
+
+
+@pytest.mark.parametrize("where, save, outer", [
+    ("xs", "inputs", "jax.grad"), ("xs", "residuals", "hg.grad"),
+    ("carry", "inputs", "hg.grad"), ("carry", "residuals", "jax.grad")])
+def test_typed_keys_through_scan(where, save, outer, maybe_jit):
+    """Typed keys in `xs` or in the carry are saved as they are: with codec 'none' the float32
+    gradients equal jax.grad's of the same remat scan to float32 rounding."""
+    ws, x = _setup()
+    keys = jax.random.split(jax.random.key(7), L)
+    if where == "xs":
+        def run(scan, ws, x):
+            return scan(_dropout_body, x, (ws, keys))[0]
+    else:
+        def run(scan, ws, x):
+            return scan(_key_carry_body, (x, jax.random.key(7)), ws)[0][0]
+    grad = jax.grad if outer == "jax.grad" else hg.grad
+    got = maybe_jit(grad(lambda ws, x: jnp.sum(run(
+        lambda f, c, xs: hg.scan(f, c, xs, codec="none", save=save), ws, x) ** 2)))(ws, x)
+    with highest_precision():
+        want = jax.grad(lambda ws, x: jnp.sum(run(
+            lambda f, c, xs: lax.scan(jax.checkpoint(f), c, xs), ws, x) ** 2))(ws, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("save", ["inputs", "residuals"])
+def test_typed_key_argument_of_checkpoint(save, maybe_jit):
+    f = hg.checkpoint(lambda x, key: jnp.tanh(x) * jax.random.normal(key, x.shape),
+                      codec="int8", save=save)
+    key = jax.random.key(0)
+    x = jnp.linspace(-2, 2, 16, dtype=jnp.float32)
+    for grad in (jax.grad, hg.grad):
+        g = maybe_jit(grad(lambda x: jnp.sum(f(x, key))))(x)
+        want = (1 - jnp.tanh(x) ** 2) * jax.random.normal(key, x.shape)
+        np.testing.assert_allclose(g, want, rtol=2 ** -6, atol=2 ** -6)  # int8: 2**-7 of max
