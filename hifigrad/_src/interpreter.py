@@ -142,6 +142,84 @@ def _is_float_aval(aval) -> bool:
     return dt is not None and jax.numpy.issubdtype(dt, jax.numpy.floating)
 
 
+_ADD_NAMES = frozenset({"add", "add_any"})
+_MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated"})
+_SKIP_SEARCH_LIMIT = 20_000  # equations visited per candidate add, at most
+
+
+def skip_connection_adds(jaxpr) -> frozenset:
+    """Indices of the equations of `jaxpr` that close a skip connection: an `add` whose one
+    operand is an ancestor of the other through a path holding a matmul (``x + f(x)`` with a
+    `dot_general` or convolution in ``f``: a residual block). Found from the program's
+    dataflow, not from names or shapes a model chooses."""
+    eqns = jaxpr.eqns
+    producer: dict = {}
+    for i, e in enumerate(eqns):
+        for v in e.outvars:
+            producer[v] = i
+    found = []
+    for i, e in enumerate(eqns):
+        if e.primitive.name not in _ADD_NAMES or len(e.invars) != 2:
+            continue
+        a, b = e.invars
+        if compat.is_literal(a) or compat.is_literal(b) or a is b:
+            continue
+        if _reaches_through_matmul(eqns, producer, a, b) or \
+                _reaches_through_matmul(eqns, producer, b, a):
+            found.append(i)
+    return frozenset(found)
+
+
+def _reaches_through_matmul(eqns, producer, anc, var) -> bool:
+    """Whether `anc` is an ancestor of `var` and a matmul lies between them (a backward walk
+    over `var`'s producers that stops at `anc`'s definition)."""
+    start = producer.get(anc, -1)
+    stack, seen, hit, matmul = [var], set(), False, False
+    while stack and len(seen) < _SKIP_SEARCH_LIMIT:
+        v = stack.pop()
+        if v is anc:
+            hit = True
+            continue
+        i = producer.get(v)
+        if i is None or i <= start or i in seen:
+            continue
+        seen.add(i)
+        e = eqns[i]
+        matmul = matmul or e.primitive.name in _MATMUL_NAMES
+        stack.extend(x for x in e.invars if not compat.is_literal(x))
+    return hit and matmul
+
+
+def _opaque_identity_cpu(x):
+    # `x / 1` where XLA cannot see the 1 until after its algebraic simplifier has run (the
+    # barrier is removed just before fusion): exact, and a float divide is an "expensive"
+    # instruction that XLA:CPU's instruction fusion never duplicates into several consumers.
+    one = lax.optimization_barrier(lax.full_like(x, 1))
+    return x / one
+
+
+def materialize(x):
+    """`x` unchanged, in a form XLA:CPU computes once (see `skip_connection_adds`).
+
+    XLA:CPU's instruction fusion (`CpuInstructionFusion`, pass "fusion") duplicates cheap
+    elementwise producers (float32 add, multiply, negate, ...) into every consumer that can
+    fuse them, and only refuses to duplicate "expensive" ones (a divide, an f32 -> bf16
+    convert). A float32 cotangent flowing back through a residual stream is a chain of cheap
+    ops from the loss to the first block, so each block's fusions re-compute it from the top:
+    code size and compile time grow as N^2 in the number of blocks. A bf16 backward escapes
+    by luck, through the expensive f32 -> bf16 rounding at every block. Other platforms get
+    `x` as it is (through `lax.platform_dependent`), since their fusion heuristics differ.
+    """
+    if not _is_float_aval(x) or not isinstance(x, jax.core.Tracer):
+        return x
+    return _materialize_call(x)
+
+
+# Jitted so that the platform cond is traced once per aval, not at every skip connection.
+_materialize_call = jax.jit(
+    lambda x: lax.platform_dependent(x, cpu=_opaque_identity_cpu, default=lambda y: y))
+
+
 class Interpreter:
     """Evaluates jaxprs with promotion. One instance per transform call (it caches analyses)."""
 
@@ -219,7 +297,8 @@ class Interpreter:
 
     def _eval_eqns(self, jaxpr, env, fenv, read, write):
         table = self.table
-        for eqn in jaxpr.eqns:
+        skips = self._skip_adds(jaxpr)
+        for i, eqn in enumerate(jaxpr.eqns):
             invals, inflags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
             invals, inflags = list(invals), list(inflags)
             prim = eqn.primitive
@@ -237,10 +316,20 @@ class Interpreter:
                         outs, oflags = rule(self, eqn, invals, inflags)
             else:
                 outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
+            if i in skips and all(inflags) and all(oflags):
+                outs = [materialize(o) for o in outs]
             for v, o, f in zip(eqn.outvars, outs, oflags):
                 write(v, o, f)
         outs = [read(v) for v in jaxpr.outvars]
         return [o for o, _ in outs], [f for _, f in outs]
+
+    def _skip_adds(self, jaxpr) -> frozenset:
+        """`skip_connection_adds` of `jaxpr`, cached for this interpreter."""
+        cache = self.__dict__.setdefault("_skip_cache", {})
+        hit = cache.get(id(jaxpr))
+        if hit is None:
+            hit = cache[id(jaxpr)] = (jaxpr, skip_connection_adds(jaxpr))
+        return hit[1]
 
     def eval_closed(self, closed, args, flags):
         jaxpr, consts = compat.jaxpr_and_consts(closed)

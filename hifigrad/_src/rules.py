@@ -38,6 +38,8 @@ type), so the casts it stages run where the equation runs.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 from jax import lax
@@ -407,11 +409,48 @@ def _promoted_aval(interp, aval):
     return aval
 
 
+# `_why_not_promotable`'s answers, keyed by everything they depend on (primitive, promoted input
+# avals with their weak types and shardings, output avals, params, tangent dtype), least recently
+# used first. An equation whose params cannot be hashed is never cached.
+_PROMOTABLE_CACHE: collections.OrderedDict = collections.OrderedDict()
+_PROMOTABLE_CACHE_SIZE = 4096
+
+
+def _promotable_key(interp: Interpreter, eqn, avals, params):
+    try:
+        key = (eqn.primitive, np.dtype(interp.policy.tangent_dtype), tuple(avals),
+               tuple(v.aval for v in eqn.outvars), tuple(sorted(params.items())))
+        hash(key)
+    except TypeError:  # unhashable params (arrays, lists): decided every time
+        return None
+    return key
+
+
 def _why_not_promotable(interp: Interpreter, eqn, invals, params) -> str | None:
     """None when binding `eqn` at promoted input avals (and promoted dtype params) is shown exact
     by its abstract evaluation: it succeeds and gives every float output the promoted dtype of
-    the original output (and every other output its original dtype). Otherwise, why not."""
+    the original output (and every other output its original dtype). Otherwise, why not.
+    Answers are cached (`_PROMOTABLE_CACHE`): they depend only on the primitive, the avals and
+    the params."""
     avals = [_promoted_aval(interp, compat.aval_of(x)) for x in invals]
+    key = _promotable_key(interp, eqn, avals, params)
+    if key is not None:
+        try:
+            hit = _PROMOTABLE_CACHE[key]
+        except (KeyError, TypeError, ValueError):  # a param whose == is not a bool: no hit
+            hit = None
+        else:
+            _PROMOTABLE_CACHE.move_to_end(key)
+            return hit[0]
+    why = _why_not_promotable_uncached(interp, eqn, avals, params)
+    if key is not None:
+        _PROMOTABLE_CACHE[key] = (why,)
+        if len(_PROMOTABLE_CACHE) > _PROMOTABLE_CACHE_SIZE:
+            _PROMOTABLE_CACHE.popitem(last=False)
+    return why
+
+
+def _why_not_promotable_uncached(interp: Interpreter, eqn, avals, params) -> str | None:
     try:
         out_avals = compat.abstract_eval(eqn, avals, params)
     except Exception as e:  # noqa: BLE001 - any failure is evidence against promotion
