@@ -368,3 +368,75 @@ def test_equinox_filter_checkpoint(outer, dtype):
         eqx.combine(p, static), x), params, x)
     # layers 2-4's inputs, one byte an element (fp8 bits); layer 1's is the function's input
     assert sum(np.dtype(d).itemsize == 1 and s == (8, 16) for d, s in comp) == 3
+
+
+# ------------------------------------------------------------------ every style x every outer transform
+
+def _style(name):
+    """(loss, differentiated argument, x) of one framework style, float32 (so that every outer
+    transform's gradients of the unmodified loss are float32 too, and equal to rounding)."""
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    if name == "remat scan":
+        ws, _, keys = _trainer_args(jnp.float32)
+        return (lambda ws, x: _trainer_loss(ws, x, keys)), ws, x
+    if name == "linen":
+        import flax.linen as nn
+
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                return jnp.tanh(nn.Dense(16)(h)), None
+
+        stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=4)
+        params = stack().init(jax.random.key(0), x, None)
+        return (lambda p, x: jnp.sum(stack().apply(p, x, None)[0] ** 2)), params, x
+    if name == "nnx":
+        return _nnx_loss, _nnx_model(dtype=jnp.float32), x
+    model = _eqx_mlp(jnp.float32)
+    return _eqx_loss, model, x
+
+
+def _outer(name):
+    if name == "nnx.grad":
+        from flax import nnx
+        return nnx.grad
+    if name == "eqx.filter_grad":
+        import equinox as eqx
+        return eqx.filter_grad
+    return {"jax.grad": jax.grad, "hg.grad": hg.grad}[name]
+
+
+def _arrays_of(tree):
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
+@pytest.mark.parametrize("outer", ["jax.grad", "hg.grad", "nnx.grad", "eqx.filter_grad"])
+@pytest.mark.parametrize("style", ["remat scan", "linen", "nnx", "equinox"])
+def test_every_style_under_every_outer_transform(style, outer):
+    """codec 'none' gives the unmodified loss's gradients under the same transform; int8 gives
+    float32 gradients within int8's error of them (2**-7 relative per saved carry)."""
+    if style == "equinox" and outer in ("jax.grad", "hg.grad", "nnx.grad"):
+        import equinox as eqx
+        loss, model, x = _style(style)
+        params, static = eqx.partition(model, eqx.is_array)
+        loss = (lambda loss: lambda p, x: loss(eqx.combine(p, static), x))(loss)
+        arg = params
+    elif style == "nnx" and outer in ("jax.grad", "hg.grad", "eqx.filter_grad"):
+        from flax import nnx
+        loss, model, x = _style(style)
+        graphdef, state = nnx.split(model)
+        loss = (lambda loss: lambda s, x: loss(nnx.merge(graphdef, s), x))(loss)
+        arg = state
+    else:
+        loss, arg, x = _style(style)
+    grad = _outer(outer)
+    with highest_precision():
+        want = _arrays_of(grad(loss)(arg, x))
+        got = _arrays_of(grad(hg.compress_checkpoints(loss, "none"))(arg, x))
+        lossy = _arrays_of(grad(hg.compress_checkpoints(loss, "int8"))(arg, x))
+    _close(got, want)
+    assert all(g.dtype == jnp.float32 for g in lossy)
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(lossy, want))
+    den = sum(float(jnp.sum(b ** 2)) for b in want)
+    assert 0 < num / den < 1e-3  # the codec's error, and only that: SQNR > 30 dB
