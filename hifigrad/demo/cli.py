@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                     "gradient fidelity vs float32, loss curves, memory and speed. Tasks: 'gpt' "
                     "(default), a scanned GPT-style decoder, every mode; 'recurrent', an "
                     "LRU-style linear recurrence over a 1024-byte context, the precision modes "
-                    "(f32, bf16, fp16), plus the gradient SQNR against the sequence length.",
+                    "(f32, bf16, fp16), plus the gradient SQNR against the sequence length. "
+                    f"Needs the demo extra: {INSTALL_DEMO}.",
         epilog="modes: " + "; ".join(f"{m.name} ({m.label})" for m in MODES))
     d.add_argument("--task", choices=TASKS, default="gpt",
                    help="the model to train (default: gpt)")
