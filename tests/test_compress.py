@@ -440,3 +440,10 @@ def test_every_style_under_every_outer_transform(style, outer):
     num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(lossy, want))
     den = sum(float(jnp.sum(b ** 2)) for b in want)
     assert 0 < num / den < 1e-3  # the codec's error, and only that: SQNR > 30 dB
+
+
+def test_a_function_without_checkpoints_warns():
+    f = hg.compress_checkpoints(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "int8")
+    with pytest.warns(UserWarning, match="has no checkpoint"):
+        g = jax.grad(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert g.shape == (4, 4)

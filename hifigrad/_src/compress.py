@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -359,6 +360,13 @@ def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
 
         dyn_vals = [values[i] for i in dyn]
         jaxpr, consts, _ = compat.make_jaxpr_closed(traced, *dyn_vals)
+        if not _holds_remat(jaxpr):
+            warnings.warn(
+                f"hifigrad.compress_checkpoints: {getattr(fun, '__name__', fun)!r} has no "
+                f"checkpoint (jax.checkpoint / jax.remat, nn.remat, nnx.remat, "
+                f"eqx.filter_checkpoint), so nothing is compressed and nothing is saved in "
+                f"memory. Checkpoint the blocks whose inputs should be saved compressed, or "
+                f"use hifigrad.scan / hifigrad.checkpoint.", UserWarning, stacklevel=2)
         outs, _ = rewriter.eval(jaxpr, consts, dyn_vals, [True] * len(dyn_vals))
         out_tree, out_leaves, dyn_out = out_box[-1]
         n_out = len(dyn_out)
