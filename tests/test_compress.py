@@ -370,7 +370,7 @@ def test_equinox_filter_checkpoint(outer, dtype):
     assert sum(np.dtype(d).itemsize == 1 and s == (8, 16) for d, s in comp) == 3
 
 
-# ------------------------------------------------------------------ every style x every outer transform
+# ----------------------------------------------- every style x every outer transform
 
 def _style(name):
     """(loss, differentiated argument, x) of one framework style, float32 (so that every outer
