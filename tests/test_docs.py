@@ -474,3 +474,39 @@ def test_sdist_selection_holds_sources_and_nothing_machine_specific():
         f.startswith((".ci/", "ci/", "benchmarks/results/", "docs/img/", "demo-out/"))
         or f.endswith((".png", ".json")))]
     assert not never, never
+
+
+def _links_that_fail_from_disk(site: pathlib.Path) -> list[str]:
+    """Links between the built site's pages that a browser cannot follow from file://: a
+    target that is a folder (it shows a directory listing) or that does not exist."""
+    bad = []
+    for page in site.rglob("*.html"):
+        if page.name == "404.html":  # a web server's page (links from the site's root URL)
+            continue
+        for href in re.findall(r'href="([^"]+)"', page.read_text(encoding="utf-8")):
+            if re.match(r"^(?:[a-z]+:|#|//)", href):
+                continue
+            path = href.split("#", 1)[0].split("?", 1)[0]
+            if not path:
+                continue
+            target = (page.parent / path).resolve()
+            if not target.is_file():
+                bad.append(f"{page.relative_to(site)} -> {href}")
+    return bad
+
+
+def test_disk_link_check_catches_a_directory_url(tmp_path):
+    (tmp_path / "getting-started").mkdir()
+    (tmp_path / "getting-started" / "index.html").write_text("<p>hi</p>")
+    (tmp_path / "index.html").write_text('<a href="getting-started/">x</a>'
+                                         '<a href="getting-started/index.html#a">y</a>')
+    assert _links_that_fail_from_disk(tmp_path) == ["index.html -> getting-started/"]
+
+
+def test_built_site_navigates_from_disk():
+    """The site `make docs` built (site/, where present): every link between its pages opens
+    a file."""
+    site = ROOT / "site"
+    if not (site / "index.html").exists():
+        pytest.skip("no built site: run `make docs` first")
+    assert not _links_that_fail_from_disk(site)
