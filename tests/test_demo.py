@@ -274,6 +274,43 @@ def test_terminal_table_never_wraps_a_mode_label(quick, width):
     assert len(tables) == (1 if width >= 200 else 2)
 
 
+def test_progress_shows_each_modes_own_training_time(monkeypatch):
+    """The modes compile together, then train one after the other: each bar's time runs from
+    the end of the previous mode (or of compiling) to its own end, not from its creation."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    now = [0.0]  # the clock the reporter reads (the progress display reads it too)
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    a, b = (types.SimpleNamespace(name=n, label=n) for n in ("a", "b"))
+    ok = {"status": "ok", "step_ms": 1.0}
+
+    def at(t, event, *args):
+        now[0] = t
+        event(*args)
+
+    with cli._RichReporter(Console(file=io.StringIO(), width=120)) as rep:
+        at(1.0, rep.stage, "tracing")               # the order of hifigrad.demo.train.run
+        at(2.0, rep.mode_start, a, 2)
+        at(2.0, rep.mode_start, b, 2)
+        at(3.0, rep.stage, "compiling")
+        at(5.0, rep.mode_compiled, a, 3.0)
+        at(6.0, rep.mode_compiled, b, 4.0)          # a starts training
+        at(8.0, rep.mode_step, a, 0)
+        at(9.0, rep.mode_step, a, 1)
+        at(10.0, rep.mode_end, a, ok)               # b starts training
+        at(12.0, rep.mode_step, b, 0)
+        at(12.5, rep.mode_step, b, 1)
+        at(13.0, rep.mode_end, b, ok)
+        tasks = {t.description.split(":")[0]: t.fields for t in rep.progress.tasks}
+    assert (tasks["tracing"]["t0"], tasks["tracing"]["t1"]) == (1.0, 2.0)
+    assert (tasks["compiling"]["t0"], tasks["compiling"]["t1"]) == (3.0, 6.0)
+    assert (tasks["a"]["t0"], tasks["a"]["t1"]) == (6.0, 10.0)
+    assert (tasks["b"]["t0"], tasks["b"]["t1"]) == (10.0, 13.0)
+
+
 def test_plot_styles_are_distinct_for_every_mode():
     from hifigrad.demo.report import _marker, _style
 

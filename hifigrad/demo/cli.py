@@ -355,4 +355,4 @@ class _RichReporter:
         else:
             reason = row["reason"] if len(row["reason"]) < 70 else row["reason"][:67] + "..."
             self.progress.update(task, description=f"{mode.label}: {row['status']} ({reason})",
-                                 total=1, completed=1)
+                                 total=1, completed=1, t1=now)
