@@ -466,3 +466,100 @@ def test_float0_leaves_are_passed_through_vjp(maybe_jit):
     gw, gz = maybe_jit(f_vjp)(jnp.float32(1))
     np.testing.assert_array_equal(gw, np.full(3, 2.0, np.float32))
     assert gz.dtype == jax.dtypes.float0 and gz.shape == (3,)
+
+
+# --------------------------------------------------------------------------- every policy
+# Every non-default Policy over the program corpus (tests/programs.py), as the default policy
+# runs it in test_rules: float32 gradients of bf16 programs that point where jax.grad's float32
+# ones do, float32 programs equal to jax.grad's, and second derivatives. The whole sweep is
+# `slow`; FAST_PROGRAMS (a matmul MLP, a scanned RNN, a user custom_vjp, integer_pow / div /
+# rsqrt) runs by default, jitted (so CI's jitted subset runs it on every release).
+
+from programs import ALL as _ALL_PROGRAMS  # noqa: E402
+from programs import PROGRAMS as _PROGRAMS  # noqa: E402
+
+F64 = jnp.float64
+POLICIES = {
+    "coefficients_tangent": dict(coefficients="tangent"),
+    "matmul_fast": dict(matmul="fast"),
+    "matmul_exact": dict(matmul="exact"),
+    "unsupported_error": dict(unsupported="error"),
+    "matmul_precision_highest": dict(matmul_precision="highest"),
+    "tangent_float64_x64": dict(tangent_dtype=F64),
+    "tangent_fast_error": dict(coefficients="tangent", matmul="fast", unsupported="error"),
+}
+FAST_PROGRAMS = ["matmul_mlp", "scan_rnn", "custom_vjp_user", "pow_div_rsqrt"]
+
+
+def _float_argnums(args):
+    return tuple(i for i, a in enumerate(args) if all(
+        jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(a)))
+
+
+def _flat64(t):
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree_util.tree_leaves(t)])
+
+
+def _policy_case(policy_id):
+    """(Policy, context manager): float64 tangents need x64, entered only around the case."""
+    kw = POLICIES[policy_id]
+    import contextlib
+
+    ctx = jax.enable_x64(True) if kw.get("tangent_dtype") == F64 else contextlib.nullcontext()
+    return kw, ctx
+
+
+def _run_program_under_policy(name, policy_id, dtype):
+    fun, make = _PROGRAMS[name]
+    kw, ctx = _policy_case(policy_id)
+    with ctx:
+        policy = hg.Policy(**kw)
+        args = make(dtype)
+        nums = _float_argnums(args)
+        got = jax.jit(hg.grad(fun, argnums=nums, policy=policy))(*args)
+        ref_args = make(jnp.float32)
+        with highest_precision():
+            want = jax.jit(jax.grad(fun, argnums=nums))(*ref_args)
+    want_dtype = F64 if kw.get("tangent_dtype") == F64 else jnp.float32
+    for g in jax.tree_util.tree_leaves(got):
+        assert g.dtype == want_dtype, (g.dtype, want_dtype)
+        assert np.all(np.isfinite(np.asarray(g)))
+    return _flat64(got), _flat64(want)
+
+
+def _check_low_precision(name, policy_id, dtype):
+    g, w = _run_program_under_policy(name, policy_id, dtype)
+    # As test_rules' default-policy check: a bf16/fp16 forward's rounding (2**-8 / 2**-11
+    # relative per op) moves the gradient a few percent at most over these programs.
+    cos = g @ w / (np.linalg.norm(g) * np.linalg.norm(w) + 1e-30)
+    assert cos >= 0.99, cos
+
+
+def _check_f32(name, policy_id):
+    g, w = _run_program_under_policy(name, policy_id, jnp.float32)
+    # float32 primals: the backward is float32 (float64 under the f64 policy) over the same
+    # residuals; tangent coefficients use other float32 formulas than JAX's. Differences are
+    # float32 roundings accumulated over at most ~1e3 operations: 1e-4 of the gradient's norm.
+    assert np.linalg.norm(g - w) <= 1e-4 * np.linalg.norm(w) + 1e-30, (
+        np.linalg.norm(g - w) / (np.linalg.norm(w) + 1e-30))
+
+
+@pytest.mark.parametrize("name", FAST_PROGRAMS)
+@pytest.mark.parametrize("policy_id", sorted(POLICIES))
+def test_policy_over_programs_bf16_jit(policy_id, name):
+    _check_low_precision(name, policy_id, jnp.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _ALL_PROGRAMS)
+@pytest.mark.parametrize("policy_id", sorted(POLICIES))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_policy_over_all_programs_low_precision_jit(policy_id, name, dtype):
+    _check_low_precision(name, policy_id, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in _ALL_PROGRAMS if n != "mixed_precision_casts"])
+@pytest.mark.parametrize("policy_id", sorted(POLICIES))
+def test_policy_over_all_programs_f32_jit(policy_id, name):
+    _check_f32(name, policy_id)

@@ -126,22 +126,27 @@ def low_tolerance(ops: int) -> float:
 
 
 def check_low(make, inputs, dtypes, seed, *, ops=16, tree=False, jit=True,
-              coefficients="forward", precise_backward=False):
+              coefficients="forward", precise_backward=False, unsupported="fallback",
+              matmul_precision=None):
     """Properties 2-4 with dtype names bound to `dtypes` (e.g. ("bf16", "f16", "f32")).
-    Returns False when jax.grad and hg.grad both reject the program, else True."""
+    Returns False when jax.grad and hg.grad both reject the program (or, under
+    ``unsupported='error'``, hg.grad names an unsupported primitive), else True."""
     with highest_precision():  # f32 vs f64 backward matmuls: no TF32 (module docstring)
         return _check_low(make, inputs, dtypes, seed, ops=ops, tree=tree, jit=jit,
-                          coefficients=coefficients, precise_backward=precise_backward)
+                          coefficients=coefficients, precise_backward=precise_backward,
+                          unsupported=unsupported, matmul_precision=matmul_precision)
 
 
-def _check_low(make, inputs, dtypes, seed, *, ops, tree, jit, coefficients, precise_backward):
+def _check_low(make, inputs, dtypes, seed, *, ops, tree, jit, coefficients, precise_backward,
+               unsupported="fallback", matmul_precision=None):
     prog = fp.Program("", tuple(inputs), tuple(dtypes), seed, ops, 0, tree)
     binding = prog.binding()
     f = make(*(binding[n] for n in fp.FACTORY_ARGS))
     flat_args = fp.make_args(inputs, binding, seed)
     args, argnums = prog.call_args(flat_args)
     # 'exact': the claim is a float32 backward's (module docstring); 'auto' on CPU.
-    policy = hg.Policy(matmul="exact", coefficients=coefficients)
+    extra = dict(unsupported=unsupported, matmul_precision=matmul_precision)
+    policy = hg.Policy(matmul="exact", coefficients=coefficients, **extra)
     try:
         jax.eval_shape(jax.grad(f, argnums), *args)
         jax_ok = True
@@ -150,6 +155,11 @@ def _check_low(make, inputs, dtypes, seed, *, ops, tree, jit, coefficients, prec
         jax_ok = False
     try:
         value, g32 = _maybe_jit(hg.value_and_grad(f, argnums, policy=policy), jit)(*args)
+    except hg.UnsupportedPrimitiveError as e:
+        if unsupported != "error":
+            raise
+        note(f"unsupported='error': {e}")  # what that policy is for: not a failure
+        return False
     except Exception:
         if jax_ok:  # property 3
             raise
@@ -166,7 +176,7 @@ def _check_low(make, inputs, dtypes, seed, *, ops, tree, jit, coefficients, prec
         assert g.dtype == F32, g.dtype
     with jax.enable_x64(True):
         policy64 = hg.Policy(tangent_dtype=jnp.float64, matmul="exact",
-                             coefficients=coefficients)
+                             coefficients=coefficients, **extra)
         value64, g64 = _maybe_jit(hg.value_and_grad(f, argnums, policy=policy64), jit)(*args)
         g64 = jax.tree_util.tree_map(np.asarray, g64)
     assert np.asarray(value64).tobytes() == np.asarray(value).tobytes(), (value64, value)
@@ -211,11 +221,13 @@ def _f32_property(prog, jit):
     check_f32(fp.build(prog.source), prog.inputs, prog.seed, tree=prog.tree, jit=jit)
 
 
-def _low_property(prog, jit, coefficients, precise):
+def _low_property(prog, jit, coefficients, precise, unsupported="fallback", precision=None):
     note(repr(prog))
-    note(f"jit={jit} coefficients={coefficients!r} precise_backward={precise}")
+    note(f"jit={jit} coefficients={coefficients!r} precise_backward={precise} "
+         f"unsupported={unsupported!r} matmul_precision={precision!r}")
     check_low(fp.build(prog.source), prog.inputs, prog.dtypes, prog.seed, ops=prog.n_ops,
-              tree=prog.tree, jit=jit, coefficients=coefficients, precise_backward=precise)
+              tree=prog.tree, jit=jit, coefficients=coefficients, precise_backward=precise,
+              unsupported=unsupported, matmul_precision=precision)
 
 
 _EXCESS = ("the f32 and f64 backwards are two programs whose bf16/fp16 residuals agree only "
@@ -224,6 +236,10 @@ _EXCESS = ("the f32 and f64 backwards are two programs whose bf16/fp16 residuals
 
 _JIT = st.sampled_from([True, True, True, False])  # mostly jitted: eager runs are slower
 _COEF = st.sampled_from(["forward", "forward", "tangent"])
+# The policy fields that keep property 2's float32 claim (matmul stays 'exact'): random in the
+# default run too, so every combination is reached.
+_UNSUPPORTED = st.sampled_from(["fallback", "fallback", "error"])
+_PRECISION = st.sampled_from([None, None, "highest", "default"])
 
 
 @_settings(DEFAULT_EXAMPLES["f32"])
@@ -234,9 +250,11 @@ def test_fuzz_f32_hg_grad_equals_jax_grad(prog, jit):
 
 @cpu_only(_EXCESS)
 @_settings(DEFAULT_EXAMPLES["low"])
-@given(prog=fp.programs(), jit=_JIT, coefficients=_COEF, precise=st.booleans())
-def test_fuzz_low_precision_matches_float64_backward(prog, jit, coefficients, precise):
-    _low_property(prog, jit, coefficients, precise)
+@given(prog=fp.programs(), jit=_JIT, coefficients=_COEF, precise=st.booleans(),
+       unsupported=_UNSUPPORTED, precision=_PRECISION)
+def test_fuzz_low_precision_matches_float64_backward(prog, jit, coefficients, precise,
+                                                     unsupported, precision):
+    _low_property(prog, jit, coefficients, precise, unsupported, precision)
 
 
 _long = pytest.mark.skipif(not LONG_EXAMPLES, reason="set HIFIGRAD_FUZZ_EXAMPLES=N")
@@ -361,3 +379,124 @@ def test_regression_unused_output_of_a_custom_vjp_inside_hg_grad(jit):
     got = _maybe_jit(hg.grad(f, (0, 1)), jit)(x0, x1)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=F32_RTOL)
+
+
+# ------------------------------------------------------------------------------ random policies
+# Property 2 under a random Policy of the family that keeps its float32 claim (matmul 'exact';
+# coefficients, unsupported and matmul_precision drawn, as in the default run), long version.
+# Under unsupported='error' an UnsupportedPrimitiveError is that policy doing its job, anything
+# else a failure.
+
+@cpu_only(_EXCESS)
+@pytest.mark.slow
+@_long
+@_settings(max(LONG_EXAMPLES, 1), derandomize=False)
+@given(prog=fp.programs(max_depth=3, max_ops=16), jit=_JIT, coefficients=_COEF,
+       unsupported=_UNSUPPORTED, precision=_PRECISION, precise=st.booleans())
+def test_fuzz_long_low_precision_random_policy(prog, jit, coefficients, unsupported, precision,
+                                               precise):
+    _low_property(prog, jit, coefficients, precise, unsupported, precision)
+
+
+# ------------------------------------------------------------------------------ argnums forms
+# Random argnums (ints, negative ints, tuples and lists with repeats, out-of-range and empty
+# ones), has_aux and grad / value_and_grad: hg raises what jax.grad raises (a repeated position
+# is a TypeError naming it, never a zero gradient for all but one occurrence), or returns
+# jax.grad's values (float32 inputs: the same backward, to a few ulps).
+
+_POS = st.integers(-5, 4)
+_ARGNUMS = st.one_of(_POS, st.lists(_POS, max_size=4).map(tuple), st.lists(_POS, max_size=4))
+
+
+def _argnums_fun(n, has_aux):
+    def f(*a):
+        out = sum(jnp.sum(jnp.tanh(a[i]) * (i + 1.0) * a[(i + 1) % n] ** 2) for i in range(n))
+        return (out, {"n": n, "name": "aux"}) if has_aux else out
+    return f
+
+
+def _outcome(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - the exception is the outcome compared
+        return None, e
+
+
+@_settings(80)
+@given(n=st.integers(1, 4), argnums=_ARGNUMS, has_aux=st.booleans(),
+       how=st.sampled_from(["grad", "value_and_grad"]), seed=st.integers(0, 2 ** 16))
+def test_fuzz_argnums_forms_match_jax_grad(n, argnums, has_aux, how, seed):
+    rng = np.random.default_rng(seed)
+    args = tuple(jnp.asarray(rng.normal(size=3), F32) for _ in range(n))
+    f = _argnums_fun(n, has_aux)
+    want, jax_err = _outcome(lambda: getattr(jax, how)(f, argnums, has_aux)(*args))
+    got, hg_err = _outcome(lambda: getattr(hg, how)(f, argnums, has_aux)(*args))
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    in_range = nums and all(-n <= i < n for i in nums)
+    if in_range and len({i % n for i in nums}) < len(nums):
+        assert isinstance(hg_err, TypeError) and "more than once" in str(hg_err), hg_err
+        assert isinstance(jax_err, TypeError), jax_err
+        return
+    if jax_err is not None:
+        assert type(hg_err) is type(jax_err), (hg_err, jax_err)
+        assert "argnums" in str(hg_err) or "positional" in str(hg_err), hg_err
+        return
+    assert hg_err is None, hg_err
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(_leaves(got), _leaves(want)):
+        if isinstance(w, str) or isinstance(w, int):
+            assert g == w
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=F32_RTOL, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ integer_pow
+# x**n for every exponent -3..4 at 0, -0, +-inf, NaN, float32 subnormals and random values, under
+# both coefficient policies: the tangent policy computes JAX's own coefficient formula in float32
+# (so it equals jax.grad of the float32 program, NaN and inf in the same places); the forward
+# policy uses JAX's bf16 coefficient (so it equals jax.grad of the bf16 program, up-cast).
+
+_SPECIAL_F32 = [0.0, -0.0, np.inf, -np.inf, np.nan, 1.4e-45, -2.8e-45, 1e-39, -1e-38,
+                1.1754942e-38, 1.0, -1.0, 3.0e38]
+_VALUES = st.one_of(st.sampled_from(_SPECIAL_F32),
+                    st.floats(width=32, allow_nan=True, allow_infinity=True,
+                              allow_subnormal=True))
+
+
+@_settings(32)
+@given(n=st.integers(-3, 4), vals=st.lists(_VALUES, min_size=1, max_size=6),
+       coefficients=st.sampled_from(["forward", "tangent"]),
+       dtype=st.sampled_from(["float32", "bfloat16"]), jit=st.booleans())
+def test_fuzz_integer_pow_special_values(n, vals, coefficients, dtype, jit):
+    x = jnp.asarray(np.array(vals, np.float32)).astype(dtype)
+    f = lambda x: jnp.sum(lax.integer_pow(x, n).astype(F32))
+    got = _maybe_jit(hg.grad(f, policy=hg.Policy(coefficients=coefficients)), jit)(x)
+    assert got.dtype == F32
+    if dtype == "float32" or coefficients == "tangent":
+        want = jax.grad(f)(x.astype(F32))
+    else:
+        want = jax.grad(f)(x).astype(F32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=F32_RTOL, atol=0)
+
+
+@_settings(16)
+@given(coefs=st.lists(st.floats(-4, 4, width=32), min_size=1, max_size=5),
+       vals=st.lists(_VALUES, min_size=1, max_size=6), jit=st.booleans())
+def test_fuzz_polynomials_under_tangent_coefficients(coefs, vals, jit):
+    """sum_i c_i x**i, x**0 included (a NaN at x = 0 was a silently wrong gradient)."""
+    c = np.array(coefs, np.float32)
+    x = jnp.asarray(np.array(vals, np.float32))
+    f = lambda x: jnp.sum(sum(float(c[i]) * lax.integer_pow(x, i) for i in range(len(c))))
+    got = _maybe_jit(hg.grad(f, policy=hg.Policy(coefficients="tangent")), jit)(x)
+    want = jax.grad(f)(x)
+    g, w = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(np.isinf(g), np.isinf(w))
+    fin = np.isfinite(w)
+    # A few float32 ulps of the largest term (the terms' sum may be accumulated in another
+    # order): 8 * 2**-24 * (sum of |terms|) bounds it.
+    terms = sum(abs(float(c[i])) * i * np.abs(np.asarray(x, np.float64)) ** max(i - 1, 0)
+                for i in range(1, len(c))) if len(c) > 1 else np.zeros(x.shape)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bound = 8 * 2.0 ** -24 * np.asarray(terms, np.float64)
+    assert np.all(np.abs(g[fin].astype(np.float64) - w[fin]) <= bound[fin] + 1e-45)

@@ -268,17 +268,18 @@ def _resolve_argnums(argnums, nums: tuple[int, ...], n_args: int) -> tuple[int, 
         raise ValueError(
             f"argnums={argnums!r} selects no argument to differentiate: pass at least one "
             f"position, for example argnums=0.")
+    # Checked in jax.grad's order: too few positional arguments first, then negative range.
+    if max(nums) >= n_args:
+        raise TypeError(
+            f"differentiating with respect to argnums={argnums!r} requires at least "
+            f"{max(nums) + 1} positional arguments to be passed by the caller, but got only "
+            f"{n_args} positional arguments.")
     for i in nums:
         if i < -n_args:
             raise ValueError(
                 f"argnums={argnums!r}: position {i} is out of range for {n_args} positional "
                 f"arguments; positions must be >= -{n_args} (counting from the end) and < "
                 f"{n_args}.")
-    if max(nums) >= n_args:
-        raise TypeError(
-            f"differentiating with respect to argnums={argnums!r} requires at least "
-            f"{max(nums) + 1} positional arguments to be passed by the caller, but got only "
-            f"{n_args} positional arguments.")
     pos = tuple(i % n_args for i in nums)
     for j, p in enumerate(pos):
         if p in pos[:j]:
