@@ -185,6 +185,7 @@ def main(argv=None):
         with open(path) as f:
             result = json.load(f)
         result["hlo"] = hlo_section(fns)
+        result["hlo_command"] = env_info(sys.argv if argv is None else argv)["command"]
         write(result, args.out)
         return
     names = list(fns)
@@ -239,7 +240,8 @@ def write(result, out_dir):
         lines += ["## HLO of one training step (large model, 12 blocks)", "",
                   "Ops in the optimized HLO (`compile().as_text()`): the sliced backward has "
                   "the dots of the unsliced one (no matmul recomputed), inside one more while "
-                  "loop (the slices).", "",
+                  "loop (the slices)." + (f" Re-measured by `{result['hlo_command']}`."
+                                          if "hlo_command" in result else ""), "",
                   md_table(["variant", "dot", "while", "fusion"],
                            [[n, v["dot"], v["while"], v["fusion"]]
                             for n, v in result["hlo"].items()]), ""]
