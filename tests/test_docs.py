@@ -462,10 +462,14 @@ def test_sdist_selection_holds_sources_and_nothing_machine_specific():
         return any(path == p or path.startswith(p + "/") or fnmatch.fnmatch(path, p)
                    or fnmatch.fnmatch(path, p.replace("**/", "")) for p in include)
 
-    files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
-             if p.is_file() and not any(part.startswith(".venv") or part in (
-                 ".git", "__pycache__", "site", ".pytest_cache", ".hypothesis")
-                 for part in p.relative_to(ROOT).parts)]
+    import os
+
+    skip = {".git", "__pycache__", "site", ".pytest_cache", ".hypothesis", ".ruff_cache"}
+    files = []
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".venv")]
+        rel = pathlib.Path(folder).relative_to(ROOT)
+        files += [(rel / n).as_posix() for n in names]
     for must in ("hifigrad/__init__.py", "hifigrad/py.typed", "tests/test_docs.py",
                  "docs/index.md", "docs/stylesheets/extra.css", "mkdocs.yml", "LICENSE",
                  "docs/_templates/python/material/docstring/returns.html.jinja"):
