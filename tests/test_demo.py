@@ -343,6 +343,18 @@ def test_memory_plot_has_a_temp_bar_for_every_mode(quick, tmp_path, monkeypatch)
     assert [t.get_text() for t in top.get_xticklabels()][0].startswith("bf16 jax.checkpoint")
 
 
+def test_memory_is_compared_with_the_bf16_remat_scan_step(quick):
+    """The report measures what a bf16 user runs today (the bf16 jax.checkpoint scan's whole
+    training step, compiled) and states every mode's peak temp relative to it."""
+    _, _, results, rows = quick
+    remat = results["remat_bf16_temp_bytes"]
+    assert isinstance(remat, int) and remat > 0
+    text = " ".join(results["conclusions"])
+    assert "relative to the bf16 jax.checkpoint scan's" in text
+    ratio = rows["int8-hg"]["temp_bytes"] / remat
+    assert f"{rows['int8-hg']['label']} {ratio:.2f}x" in text
+
+
 def test_conclusions_do_not_call_the_plain_scan_a_saving(quick):
     _, _, results, _ = quick
     text = " ".join(results["conclusions"])

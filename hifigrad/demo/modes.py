@@ -23,7 +23,7 @@ from jax import lax
 from . import model as M
 
 __all__ = ["MODES", "MODE_NAMES", "PRECISION_MODE_NAMES", "Mode", "ModeFns", "MissingAPI",
-           "build", "get_mode", "model_module", "remat_blocks_vjp"]
+           "build", "get_mode", "model_module", "remat_blocks_vjp", "remat_value_and_grad"]
 
 # Dynamic loss scaling, the standard scheme (as in NVIDIA Apex / torch.amp's GradScaler).
 LOSS_SCALE_INIT = 2.0**15
@@ -347,6 +347,21 @@ def remat_blocks_vjp(cfg):
         return jax.vjp(run_blocks, x, params["blocks"])[1]
 
     return blocks_vjp_for_memory
+
+
+def remat_value_and_grad(cfg):
+    """A memory reference that is not a mode: what a bf16 user runs today, `jax.value_and_grad`
+    of the bf16 model with a `jax.checkpoint` scan over the blocks (bf16 carry, bf16
+    backward). ``(params, batch) -> (loss, grads)``, for its compiled step's temp bytes."""
+    model = model_module(cfg)
+
+    def run_blocks(block_fn, x, stacked):
+        body = jax.checkpoint(lambda c, p: (block_fn(c, p), None),
+                              policy=jax.checkpoint_policies.nothing_saveable)
+        return lax.scan(body, x, stacked)[0]
+
+    return jax.value_and_grad(
+        lambda params, batch: model.loss_fn(cfg, params, batch, jnp.bfloat16, run_blocks))
 
 
 def _init_loss_scale() -> dict:

@@ -180,6 +180,13 @@ def conclusions(results: dict) -> list[str]:
                   f"keeps {plain['block_residual_bytes'] / remat:.1f}x the remat scan's bytes "
                   "(every block's intermediates, not only its input)")
         out.append(s + ".")
+    remat_temp = results.get("remat_bf16_temp_bytes")
+    with_temp = [r for r in ok if r.get("temp_bytes")]
+    if remat_temp and with_temp:
+        out.append("Peak temp of one training step, relative to the bf16 jax.checkpoint scan's "
+                   f"({remat_temp / 2**20:.3g} MB, bf16 backward): " + ", ".join(
+                       f"{r['label']} {r['temp_bytes'] / remat_temp:.2f}x" for r in with_temp)
+                   + ".")
     timed = [r for r in ok if _num(r.get("step_ms")) is not None]
     if timed:
         timed.sort(key=lambda r: r["step_ms"])
@@ -377,6 +384,10 @@ def plot_memory(results: dict, path: Path) -> None:
     for x, t in zip(xs, temp):
         if t is None:  # the backend reported no memory analysis: say so rather than a gap
             bottom.text(x + w / 2, 0, "n/a", ha="center", va="bottom", fontsize=6, rotation=90)
+    remat_temp = results.get("remat_bf16_temp_bytes")
+    if remat_temp:  # what a bf16 user runs today: the bf16 jax.checkpoint scan's step
+        bottom.axhline(remat_temp / mb, color="black", linestyle="--", linewidth=1,
+                       label="XLA temp, bf16 jax.checkpoint scan (reference)")
     bottom.set_ylabel("MB")
     bottom.set_title("Memory of one training step, per mode", fontsize=9)
     bottom.set_xticks(xs)

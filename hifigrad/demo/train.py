@@ -355,6 +355,8 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
     update_mem = update.memory_analysis()
     remat_bf16 = saved_residual_bytes(MD.remat_blocks_vjp(mcfg), params0, {},
                                       _block_input(cfg, MD.get_mode("bf16")))
+    remat_mem = jax.jit(MD.remat_value_and_grad(mcfg)).lower(
+        params0, batch0).compile().memory_analysis()
     return {
         "config": dataclasses.asdict(cfg),
         "environment": _environment(),
@@ -365,6 +367,8 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         "optimizer_temp_bytes": None if update_mem is None else int(
             update_mem.temp_size_in_bytes),
         "remat_bf16_block_residual_bytes": remat_bf16,
+        "remat_bf16_temp_bytes": None if remat_mem is None else int(
+            remat_mem.temp_size_in_bytes),
         "length_sweep": sweep,
         "wall_s": time.perf_counter() - t_start,
     }
