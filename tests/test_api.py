@@ -563,3 +563,153 @@ def test_policy_over_all_programs_low_precision_jit(policy_id, name, dtype):
 @pytest.mark.parametrize("policy_id", sorted(POLICIES))
 def test_policy_over_all_programs_f32_jit(policy_id, name):
     _check_f32(name, policy_id)
+
+
+# Programs whose second derivative jax.grad itself cannot take (hg raises JAX's error there).
+_NO_SECOND_ORDER = {
+    "pure_callback_in_backward": "a pure_callback has no JVP rule in JAX",
+    "remat_offload": "JAX's transpose of host-offloaded residuals rejects a float32<host> "
+                     "cotangent",
+    "while_in_backward": "JAX cannot reverse-differentiate the backward's while_loop",
+}
+FAST_SECOND_ORDER = ["custom_vjp_user", "pow_div_rsqrt"]
+
+
+def _second_order_param(name):
+    if name in _NO_SECOND_ORDER:
+        return pytest.param(name, marks=pytest.mark.xfail(
+            reason=_NO_SECOND_ORDER[name], raises=ValueError, strict=True))
+    return name
+
+
+def _check_second_order(name, policy_id):
+    """jax.grad of a weighted sum of hg.grad(policy)'s float32 gradient equals the same with
+    jax.grad inside (float32 programs; float64 tangents under the float64 policy)."""
+    fun, make = _PROGRAMS[name]
+    kw, ctx = _policy_case(policy_id)
+
+    def second(inner, args, nums):
+        def h(*a):
+            g = inner(fun, argnums=nums)(*a)
+            return sum(jnp.sum(x.astype(jnp.float32) * 0.5) for x in jax.tree_util.tree_leaves(g))
+        return jax.jit(jax.grad(h, argnums=nums))(*args)
+
+    with ctx:
+        args = make(jnp.float32)
+        nums = _float_argnums(args)
+        with highest_precision():
+            got = second(lambda f, argnums: hg.grad(f, argnums=argnums,
+                                                    policy=hg.Policy(**kw)), args, nums)
+            want = second(jax.grad, args, nums)
+    g, w = _flat64(got), _flat64(want)
+    # float32 roundings of two second-order programs over ~1e2 ops (measured <= 3e-7)
+    assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w) + 1e-30, (
+        np.linalg.norm(g - w) / (np.linalg.norm(w) + 1e-30))
+
+
+@pytest.mark.parametrize("name", FAST_SECOND_ORDER)
+@pytest.mark.parametrize("policy_id", sorted(POLICIES))
+def test_policy_second_order_jit(policy_id, name):
+    _check_second_order(name, policy_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [_second_order_param(n) for n in _ALL_PROGRAMS
+                                  if n != "mixed_precision_casts"])
+@pytest.mark.parametrize("policy_id", sorted(POLICIES))
+def test_policy_second_order_over_all_programs_jit(policy_id, name):
+    _check_second_order(name, policy_id)
+
+
+# ------------------------------------------------------------------------------ program cache
+
+def _program_cache():
+    from hifigrad._src import api as _api
+
+    return _api
+
+
+def _uncached(monkeypatch):
+    monkeypatch.setattr(_program_cache(), "_backward_program", lambda *a, **k: None)
+
+
+def test_eager_backward_is_traced_once_and_replayed_bitwise(monkeypatch):
+    api = _program_cache()
+    api._PROGRAMS.clear()
+    w = jnp.linspace(-1, 1, 6, dtype=jnp.bfloat16).reshape(2, 3)
+
+    def f(w):
+        return jnp.sum(jnp.tanh(w @ w.T))
+
+    first, second = hg.grad(f)(w), hg.grad(f)(w)
+    assert len(api._PROGRAMS) == 1  # the second call replayed the first call's program
+    _, vjp_fn = hg.vjp(f, w)
+    reused = [vjp_fn(jnp.float32(1.0))[0] for _ in range(2)]
+    assert len(api._PROGRAMS) == 1  # a vjp_fn over the same program shares it
+    _uncached(monkeypatch)
+    fresh = hg.grad(f)(w)
+    for g in (first, second, *reused):
+        assert g.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(fresh))
+
+
+def test_cached_backward_never_serves_a_stale_program():
+    api = _program_cache()
+    api._PROGRAMS.clear()
+    w = jnp.linspace(0.5, 1.5, 4, dtype=jnp.bfloat16)
+    scale = [2.0]
+
+    def f(w):  # a Python closure value: part of the program, not an input
+        return jnp.sum(jnp.sin(w) * scale[0])
+
+    def g(w):  # another function, same avals
+        return jnp.sum(jnp.cos(w))
+
+    def check(fun, w, want):
+        got = hg.grad(fun)(w)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+    # The derivative coefficients are the forward's own (cos and sin rounded to the input's
+    # dtype); the backward multiplies them exactly in float32.
+    def cos(w):
+        return np.asarray(jnp.cos(w), np.float32)
+
+    check(f, w, 2.0 * cos(w))
+    scale[0] = 3.0
+    check(f, w, 3.0 * cos(w))
+    check(g, w, -np.asarray(jnp.sin(w), np.float32))
+    w16 = w.astype(jnp.float16)  # another dtype
+    check(f, w16, 3.0 * cos(w16))
+    # The closure value reaches the linear program as a residual (an input), so both scales
+    # share one program; the other function and the other dtype have their own.
+    assert len(api._PROGRAMS) == 3
+    # A changed rule table is a new program too (its version is part of the key).
+    from hifigrad._src.rules import PROMOTE
+
+    before = PROMOTE.version
+    PROMOTE.register([], None)  # registers nothing, but bumps the version
+    assert PROMOTE.version == before + 1
+    check(f, w, 3.0 * cos(w))
+    assert len(api._PROGRAMS) == 4
+
+
+def test_program_cache_is_bounded(monkeypatch):
+    api = _program_cache()
+    api._PROGRAMS.clear()
+    monkeypatch.setattr(api, "_PROGRAMS_SIZE", 2)
+    # Four programs (distinct shapes), of which the cache keeps the last two.
+    for k in range(4):
+        v = jnp.ones(3 + k, jnp.bfloat16)
+        g = hg.grad(lambda w: jnp.sum(w * w))(v)
+        np.testing.assert_array_equal(np.asarray(g), np.full(3 + k, 2.0, np.float32))
+    assert len(api._PROGRAMS) == 2
+
+
+def test_traced_calls_bypass_the_program_cache():
+    api = _program_cache()
+    api._PROGRAMS.clear()
+    w = jnp.ones(3, jnp.bfloat16)
+    g = jax.jit(hg.grad(lambda w: jnp.sum(jnp.exp(w))))(w)
+    np.testing.assert_allclose(np.asarray(g), np.full(3, np.e), rtol=1e-2)
+    assert len(api._PROGRAMS) == 0
