@@ -20,6 +20,7 @@ cotangent for a bf16 input, inside `lax.scan`) work.
 
 from __future__ import annotations
 
+import collections
 import functools
 import operator
 from collections.abc import Callable
@@ -107,12 +108,29 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
     policy = static.policy
     consts, res = res_and_consts[:static.n_consts], res_and_consts[static.n_consts:]
     out_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.out_avals]
-    in_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.tangent_avals]
     # Integer and bool outputs have float0 tangents: no cotangent flows back from them, and
     # `linear_transpose` only takes float -> float functions, so they are left out.
     keep = [_is_inexact(a.dtype) for a in static.out_avals]
     cts = [lax.convert_element_type(c, d) if is_real_float(d) else c
            for c, d, k in zip(cts, out_up, keep) if k]
+    # Fallback warnings name a primitive once per differentiated function (`static.site`).
+    with fallback_site(getattr(static, "site", None)):
+        if not any(isinstance(x, jax.core.Tracer) for x in [*res_and_consts, *cts]):
+            # Eager: the backward program depends only on the linear program, the inputs'
+            # avals and the policy, so it is traced once and replayed (`_backward_program`).
+            closed = _backward_program(static, consts, res, cts)
+            if closed is not None:
+                return list(compat.eval_closed_jaxpr(closed, [*consts, *res, *cts]))
+        return list(_transposed(static, consts, res)(list(cts)))
+
+
+def _transposed(static: _Static, consts: list, res: list):
+    """The backward: `linear_transpose` of the promoted linear program, as a function of the
+    kept (float) output cotangents."""
+    policy = static.policy
+    out_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.out_avals]
+    in_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.tangent_avals]
+    keep = [_is_inexact(a.dtype) for a in static.out_avals]
 
     def lin_promoted(*ts):
         interp = Interpreter(policy, static.table)
@@ -122,15 +140,119 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
                 np.dtype(o.dtype) != d else o for o, d, k in zip(outs, out_up, keep) if k]
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
-    # Fallback warnings name a primitive once per differentiated function (`static.site`).
-    with fallback_site(getattr(static, "site", None)):
-        transposed = jax.linear_transpose(lin_promoted, *in_avals)
-        if policy.resolved_matmul() == "fast":
-            from .fast import fast_matmul
+    transposed = jax.linear_transpose(lin_promoted, *in_avals)
+    if policy.resolved_matmul() == "fast":
+        from .fast import fast_matmul
 
-            transposed = fast_matmul(transposed, policy)
-        out = transposed(list(cts))
-    return list(out)
+        transposed = fast_matmul(transposed, policy)
+    return transposed
+
+
+# ------------------------------------------------------------------------------ program cache
+
+class _Ident:
+    """Compares by identity and holds its object alive, so that its id is never reused while a
+    cache key holds it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Ident) and other.obj is self.obj
+
+
+def _param_key(v):
+    """A hashable key equal for equal params: sub-jaxprs by structure, arrays by value, other
+    unhashable or unknown objects by identity (a miss, never a wrong hit)."""
+    if compat.is_jaxpr_like(v):
+        return ("jaxpr", _jaxpr_key(v))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_param_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _param_key(x)) for k, x in v.items())))
+    if isinstance(v, np.ndarray):
+        return ("array", v.dtype.str, v.shape, v.tobytes())
+    if isinstance(v, (str, int, float, bool, complex, type(None), np.dtype, np.generic)):
+        return (type(v).__name__, v)
+    try:
+        hash(v)
+    except TypeError:
+        return _Ident(v)
+    # Hashable objects JAX puts in params (enums, named tuples of ints, GatherDimensionNumbers,
+    # avals): by value when their type is one JAX defines, else by identity.
+    mod = getattr(type(v), "__module__", "") or ""
+    return (type(v), v) if mod.startswith(("jax", "numpy", "enum")) else _Ident(v)
+
+
+def _jaxpr_key(j):
+    jaxpr, consts = compat.jaxpr_and_consts(j)
+    ids: dict = {}
+
+    def var(v):
+        if compat.is_literal(v):
+            val = np.asarray(v.val)
+            return ("lit", v.aval, val.dtype.str, val.tobytes())
+        n = ids.get(v)
+        if n is None:
+            n = ids[v] = len(ids)
+        return n
+
+    parts = [tuple(_Ident(c) for c in consts),
+             tuple((var(v), v.aval) for v in jaxpr.constvars),
+             tuple((var(v), v.aval) for v in jaxpr.invars)]
+    for e in jaxpr.eqns:
+        parts.append((e.primitive, tuple(var(v) for v in e.invars),
+                      tuple((var(v), v.aval) for v in e.outvars), _param_key(dict(e.params))))
+    parts.append(tuple(var(v) for v in jaxpr.outvars))
+    return tuple(parts)
+
+
+def _aval_key(x):
+    return (np.shape(x), _dtype_of(x), bool(getattr(getattr(x, "aval", None), "weak_type", False)),
+            getattr(x, "sharding", None) if isinstance(x, jax.Array) else None)
+
+
+# Traced eager backward programs, least recently used first; bounded.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_PROGRAMS_SIZE = 64
+
+
+def _backward_program(static, consts, res, cts):
+    """The backward of `static`'s linear program as a closed jaxpr over (consts, residuals,
+    cotangents), from `_PROGRAMS` or traced now. Keyed by the linear program's structure (its
+    equations, avals with weak types, literal values, params), the inputs' avals and
+    shardings, the policy, the rule table and its version, and the differentiated function
+    (`static.site`); None when the program cannot be keyed."""
+    key = getattr(static, "_program_key", None)
+    try:
+        if key is None:
+            key = static._program_key = (
+                _jaxpr_key(static.lin_jaxpr), static.policy, _Ident(static.table),
+                static.table.version, getattr(static, "site", None))
+        full = (key, tuple(_aval_key(x) for x in [*consts, *res, *cts]))
+        hash(full)
+        closed = _PROGRAMS.get(full)
+    except (TypeError, ValueError):  # a param whose == or hash is unusable: not cached
+        return None
+    if closed is not None:
+        _PROGRAMS.move_to_end(full)
+        return closed
+    nc, nr = len(consts), len(res)
+
+    def program(*args):
+        c, r, k = args[:nc], args[nc:nc + nr], args[nc + nr:]
+        return list(_transposed(static, list(c), list(r))(list(k)))
+
+    closed = jax.make_jaxpr(program)(*consts, *res, *cts)
+    _PROGRAMS[full] = closed
+    if len(_PROGRAMS) > _PROGRAMS_SIZE:
+        _PROGRAMS.popitem(last=False)
+    return closed
 
 
 def _check_ct(ct_flat, out_avals, policy):

@@ -263,6 +263,19 @@ def jaxpr_and_consts(j) -> tuple[Any, list]:
     return j.jaxpr, list(consts)
 
 
+def is_jaxpr_like(v) -> bool:
+    """A jaxpr as params hold them: 0.10's `Jaxpr` / `ClosedJaxpr`, 0.11+'s `Jaxpr`."""
+    return isinstance(v, _JAXPR_TYPES)
+
+
+def eval_closed_jaxpr(closed, args: Sequence[Any]) -> list[Any]:
+    """Evaluates a closed jaxpr (what `jax.make_jaxpr` returns) on `args`, equation by
+    equation (eagerly when `args` are arrays)."""
+    from jax.extend.core import jaxpr_as_fun
+
+    return list(jaxpr_as_fun(closed)(*args))
+
+
 def is_literal(v) -> bool:
     return isinstance(v, Literal)
 

@@ -83,8 +83,10 @@ class RuleTable:
     flag_rules: dict = dataclasses.field(default_factory=dict)
     always: set = dataclasses.field(default_factory=set)
     default: Rule | None = None
+    version: int = 0  # bumped by `register`: cached backward programs key on it
 
     def register(self, prims, rule: Rule, flag_rule: FlagRule | None = None) -> None:
+        self.version += 1
         for p in prims if isinstance(prims, (list, tuple, set)) else [prims]:
             if p is None:
                 continue
