@@ -713,3 +713,51 @@ def test_traced_calls_bypass_the_program_cache():
     g = jax.jit(hg.grad(lambda w: jnp.sum(jnp.exp(w))))(w)
     np.testing.assert_allclose(np.asarray(g), np.full(3, np.e), rtol=1e-2)
     assert len(api._PROGRAMS) == 0
+
+
+# --------------------------------------------------------------------------- extended leaves
+_EXTRA_LEAVES = {
+    "typed_key": lambda: jax.random.key(7),
+    "key_array": lambda: jax.random.split(jax.random.key(7), 3),
+    "int4": lambda: jnp.array([1, -2, 3], jnp.int4),
+    "int8": lambda: jnp.array([1, -2, 3], jnp.int8),
+    "bool": lambda: jnp.array([True, False, True]),
+    "float8_e8m0fnu": lambda: jnp.array([0.5, 1.0, 4.0], jnp.float8_e8m0fnu),
+    "float8_e3m4": lambda: jnp.array([0.5, -1.0, 3.0], jnp.float8_e3m4),
+    "float64_numpy_without_x64": lambda: np.array([0.5, -1.0, 3.0]),
+}
+
+
+def _uses_extra(w, extra):
+    """A bf16 loss of `w` that reads `extra` (a key draws noise; a number scales)."""
+    if jax.dtypes.issubdtype(extra.dtype, jax.dtypes.prng_key):
+        k = extra if extra.shape == () else extra[0]
+        s = jax.random.uniform(k, w.shape, jnp.float32)
+    else:
+        s = jnp.asarray(extra).astype(jnp.float32)
+    return jnp.sum((jnp.tanh(w) * w).astype(jnp.float32) * s)
+
+
+@pytest.mark.parametrize("kind", sorted(_EXTRA_LEAVES))
+def test_extended_and_unusual_leaves_beside_a_bf16_weight(kind, maybe_jit):
+    """Each leaf kind in the differentiated pytree: the weight's gradient is float32 and equals
+    hg.grad with the leaf closed over; the leaf's gradient is float0 where jax.grad's is, and
+    the exact float32 gradient where jax.grad differentiates it (a float leaf)."""
+    extra = _EXTRA_LEAVES[kind]()
+    w = jnp.linspace(-1, 1, 3).astype(jnp.bfloat16)
+    gw, ge = maybe_jit(hg.grad(lambda p: _uses_extra(*p), allow_int=True))((w, extra))
+    alone = hg.grad(lambda w: _uses_extra(w, extra))(w)
+    assert gw.dtype == jnp.float32
+    np.testing.assert_allclose(gw, alone, rtol=1e-6)
+    jge = jax.grad(lambda p: _uses_extra(*p), allow_int=True)((w, extra))[1]
+    if np.asarray(jge).dtype == jax.dtypes.float0:
+        assert ge.dtype == jax.dtypes.float0 and ge.shape == np.shape(extra)
+    else:
+        # d/ds sum(y * s) = y = tanh(w) * w, a bf16 value: exact in float32. (jax.grad's own
+        # gradient has the leaf's dtype: float8_e8m0fnu has no zero, so it gives NaN where
+        # y = 0, and rounds 0.76 to 1.)
+        assert ge.dtype == jnp.float32
+        np.testing.assert_array_equal(ge, (jnp.tanh(w) * w).astype(jnp.float32))
+    _, f_vjp = hg.vjp(_uses_extra, w, extra)
+    vw, _ = maybe_jit(f_vjp)(jnp.float32(1))
+    np.testing.assert_allclose(vw, alone, rtol=1e-6)
