@@ -151,7 +151,7 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
     if plan is not None:  # a `_SlicePlan`: the backward in batch slices
-        cts_in = _sliced_backward(plan, policy, encode, args, consts, cts)
+        cts_in = _sliced_backward(plan, policy, args, consts, cts)
     else:  # the whole block's backward at once
         _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
         cts_in = _freeing_first(vjp_fn, cts)
@@ -174,18 +174,29 @@ AUTO_SLICES = 4
 MIN_SLICE_ROWS = 512
 
 
-def _slice_count(slices, policy: Policy, encode, args) -> int:
+def _batched(encode, args) -> tuple[bool, ...]:
+    """Which inputs are sliced along their leading (batch) axis: the encoded ones of at least
+    two axes whose leading axis is as long as the largest encoded input's (the activations;
+    `hg.checkpoint` also encodes parameters passed as arguments, which are not sliced). Any
+    choice is safe: the analysis only accepts a block whose rows follow this choice."""
+    acts = [a for a, e in zip(args, encode) if e and np.ndim(a) >= 2]
+    if not acts:
+        return (False,) * len(args)
+    batch = np.shape(max(acts, key=np.size))[0]
+    return tuple(bool(e) and np.ndim(a) >= 2 and np.shape(a)[0] == batch
+                 for a, e in zip(args, encode))
+
+
+def _slice_count(slices, policy: Policy, batched_mask, args) -> int:
     """How many batch slices the recomputed backward runs in (1: all at once)."""
-    batched = [a for a, e in zip(args, encode) if e]
-    if not batched or any(np.ndim(a) < 2 for a in batched):
+    batched = [a for a, b in zip(args, batched_mask) if b]
+    if not batched:
         return 1
     if slices is None:
         tangent = np.dtype(policy.tangent_dtype).itemsize
         widest = max(np.dtype(jnp.result_type(a)).itemsize for a in batched)
         slices = AUTO_SLICES if tangent > widest else 1
     batch = np.shape(batched[0])[0]
-    if any(np.shape(a)[0] != batch for a in batched):
-        return 1
     rows = min(math.prod(np.shape(a)[:-1]) for a in batched)
     k = int(slices)
     while k > 1 and (batch % k or rows // k < MIN_SLICE_ROWS):
@@ -195,10 +206,11 @@ def _slice_count(slices, policy: Policy, encode, args) -> int:
 
 class _SlicePlan:
     """Static: the recomputed backward runs in `k` batch slices of ``fun_k`` (the block
-    closure-converted at 1/k of the batch), whose outputs have the avals ``out_avals``."""
+    closure-converted at 1/k of the batch), whose outputs have the avals ``out_avals``;
+    ``batched[i]``: whether input i is sliced."""
 
-    def __init__(self, k, fun_k, out_avals):
-        self.k, self.fun_k, self.out_avals = k, fun_k, out_avals
+    def __init__(self, k, fun_k, out_avals, batched):
+        self.k, self.fun_k, self.out_avals, self.batched = k, fun_k, out_avals, batched
 
 
 def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
@@ -206,22 +218,26 @@ def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save:
     """How the backward of ``converted(*flat, *consts)`` (`fun_flat` closure-converted) runs:
     in slices when `_slice_count` asks for more than one and the block is separable along
     the batch axis, read from its program (see `separable`): each row of its float outputs
-    is computed from the same row of its encoded inputs alone, and the block traced at 1/k
-    of the batch is that same program (closing over the same values). Else None: at once.
+    is computed from the same row of its batched inputs (`_batched`) alone, and the block
+    traced at 1/k of the batch is that same program (closing over the same values). Else
+    None: at once.
     """
     from .separable import NotSeparable, batch_axes, same_program
 
-    k = _slice_count(slices, policy, encode, flat) if save == "inputs" else 1
+    if save != "inputs":
+        return None
+    batched = _batched(encode, flat)
+    k = _slice_count(slices, policy, batched, flat)
     if k <= 1:
         return None
-    batch = np.shape(next(a for a, e in zip(flat, encode) if e))[0]
+    batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
     sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
-                                   jnp.result_type(x)) if e else x
-              for x, e in zip(flat, encode)]
+                                   jnp.result_type(x)) if b else x
+              for x, b in zip(flat, batched)]
     fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
     if len(consts_k) != len(consts) or any(a is not b for a, b in zip(consts, consts_k)):
         return None  # it closes over other values at the slice's size
-    in_axes = [0 if e else None for e in encode] + [None] * len(consts)
+    in_axes = [0 if b else None for b in batched] + [None] * len(consts)
     jaxpr, _, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
     try:
         out_axes = batch_axes(jaxpr, in_axes, batch)
@@ -234,33 +250,33 @@ def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save:
     if not same_program(jaxpr, jaxpr_k, k):
         return None
     return _SlicePlan(k, fun_k, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                 for v in jaxpr_k.outvars])
+                                 for v in jaxpr_k.outvars], batched)
 
 
-def _sliced_backward(plan: _SlicePlan, policy: Policy, encode, args, consts, cts):
+def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     """The input cotangents of the block at ``(*args, *consts)``, its backward run in
     ``plan.k`` slices along the batch axis (a `lax.scan`, so that one slice's working set
     is live at a time).
 
     Each slice recomputes its rows of the block and runs their backward: the same matmuls as
-    the unsliced backward, on `k` times fewer rows. The encoded inputs' cotangents are the
-    slices' concatenated; every other input's (parameters) is the sum over slices, accumulated
-    in float32 (or wider).
+    the unsliced backward, on `k` times fewer rows. The batched inputs' cotangents are the
+    slices' concatenated; every other input's (parameters) is the sum over slices,
+    accumulated in float32 (or wider).
     """
     from .api import _vjp
     from .rules import PROMOTE
 
-    k, fun_k, out_avals = plan.k, plan.fun_k, plan.out_avals
+    k, fun_k, out_avals, batched = plan.k, plan.fun_k, plan.out_avals, plan.batched
     flat_cts, ct_tree = tree_flatten(cts)
     is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
 
     def split(x):
         return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 
-    xs_args = [split(a) for a, e in zip(args, encode) if e]
+    xs_args = [split(a) for a, e in zip(args, batched) if e]
     xs_cts = [split(c) for c, f in zip(flat_cts, is_float) if f]
     others = [(i, x) for i, x in enumerate((*args, *consts))
-              if not (i < len(encode) and encode[i])]
+              if not (i < len(batched) and batched[i])]
     acc_dtype = {i: max((np.dtype(jnp.float32), np.dtype(jnp.result_type(x)),
                          np.dtype(policy.tangent_dtype)), key=lambda t: t.itemsize)
                  for i, x in others if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
@@ -268,20 +284,20 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, encode, args, consts, cts
     def body(acc, xs):
         a_sl, c_sl = xs
         it = iter(a_sl)
-        full = [next(it) if e else a for a, e in zip(args, encode)]
+        full = [next(it) if e else a for a, e in zip(args, batched)]
         it = iter(c_sl)
         cts_sl = [next(it) if f else np.zeros(a.shape, jax.dtypes.float0)
                   for a, f in zip(out_avals, is_float)]
         _, vjp_fn = _vjp(lambda *a: fun_k(*a), (*full, *consts), False, policy, PROMOTE)
         cts_in = _freeing_first(vjp_fn, tree_unflatten(ct_tree, cts_sl))
         acc = {i: acc[i] + cts_in[i].astype(acc[i].dtype) for i in acc}
-        return acc, [cts_in[i] for i, e in enumerate(encode) if e]
+        return acc, [cts_in[i] for i, e in enumerate(batched) if e]
 
     acc0 = {i: jnp.zeros(np.shape(x), acc_dtype[i]) for i, x in others if i in acc_dtype}
     acc, ys = lax.scan(body, acc0, (xs_args, xs_cts))
     it = iter(ys)
     return tuple(
-        next(it).reshape(np.shape(x)) if i < len(encode) and encode[i]
+        next(it).reshape(np.shape(x)) if i < len(batched) and batched[i]
         else acc[i] if i in acc
         else np.zeros(np.shape(x), jax.dtypes.float0)
         for i, x in enumerate((*args, *consts)))
