@@ -151,27 +151,109 @@ def measure(method: str, layout: str, n: int, reps: int = 5, **kw) -> dict:
     t3 = time.perf_counter()
     instructions = count_instructions(compiled.as_text())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return dict(method=method, layout=layout, n=n, trace_s=t1 - t0, lower_s=t2 - t1,
+                compile_s=t3 - t2, instructions=instructions, peak_rss_mib=rss,
+                step_ms=1e3 * _best_time(compiled, args, reps))
+
+
+def _best_time(compiled, args, reps: int) -> float:
+    """The fastest of `reps` calls (on shared cores the minimum is the least noisy)."""
+    import jax
+
     jax.block_until_ready(compiled(*args))
-    times = []
+    best = math.inf
     for _ in range(reps):
         s = time.perf_counter()
         jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - s)
-    return dict(method=method, layout=layout, n=n, trace_s=t1 - t0, lower_s=t2 - t1,
-                compile_s=t3 - t2, instructions=instructions, peak_rss_mib=rss,
-                step_ms=1e3 * float(np.median(times)))
+        best = min(best, time.perf_counter() - s)
+    return best
+
+
+def paired_step(layout: str, n: int, reps: int = 20) -> dict:
+    """Step time of both methods' compiled programs in one process, calls alternated, so that
+    the ratio sees the same load."""
+    import jax
+
+    progs = {}
+    for m in METHODS:
+        g, args = build(m, layout, n)
+        progs[m] = (jax.jit(g).lower(*args).compile(), args)
+    best = {m: math.inf for m in METHODS}
+    for _ in range(reps):
+        for m, (c, args) in progs.items():
+            best[m] = min(best[m], _best_time(c, args, 1))
+    return dict(layout=layout, n=n, **{f"{m} step_ms": 1e3 * t for m, t in best.items()},
+                ratio=best["hg.grad"] / best["jax.grad"])
+
+
+def trace_times(n: int, reps: int = 3) -> dict:
+    """Trace time alone (no compile) of both methods at unrolled depth `n`, alternated in one
+    process, fastest of `reps` each."""
+    import jax
+
+    best = {m: math.inf for m in METHODS}
+    for _ in range(reps):
+        for m in METHODS:
+            g, args = build(m, "unrolled", n)
+            s = time.perf_counter()
+            jax.jit(g).trace(*args)
+            best[m] = min(best[m], time.perf_counter() - s)
+    return dict(n=n, **{f"{m} trace_s": t for m, t in best.items()},
+                ratio=best["hg.grad"] / best["jax.grad"])
+
+
+def eager_times(n: int, reps: int = 10) -> list[dict]:
+    """Later (un-jitted) calls at unrolled depth `n`, hg against jax, alternated in one
+    process, fastest of `reps` each: grad, value_and_grad, a reused vjp function, and
+    `precise_backward` under `jax.grad`."""
+    import jax
+    import jax.numpy as jnp
+
+    import hifigrad as hg
+
+    params = init_params(n, 64)
+    x = jax.random.normal(jax.random.key(1), (4, 32, 64))
+    loss = make_loss("unrolled", 4, jnp.bfloat16)
+    one = jnp.ones((), jnp.float32)
+    _, jax_vjp = jax.vjp(loss, params, x)
+    _, hg_vjp = hg.vjp(loss, params, x)
+    wrapped = hg.precise_backward(loss)
+    cases = {
+        "grad": (lambda: jax.grad(loss)(params, x), lambda: hg.grad(loss)(params, x)),
+        "value_and_grad": (lambda: jax.value_and_grad(loss)(params, x),
+                           lambda: hg.value_and_grad(loss)(params, x)),
+        "reused vjp_fn": (lambda: jax_vjp(one), lambda: hg_vjp(one)),
+        "jax.grad(precise_backward(f))": (lambda: jax.grad(loss)(params, x),
+                                          lambda: jax.grad(wrapped)(params, x)),
+    }
+    out = []
+    for name, (fj, fh) in cases.items():
+        jax.block_until_ready((fj(), fh()))  # first calls: compile op by op, trace, cache
+        best = [math.inf, math.inf]
+        for _ in range(reps):
+            for i, f in enumerate((fj, fh)):
+                s = time.perf_counter()
+                jax.block_until_ready(f())
+                best[i] = min(best[i], time.perf_counter() - s)
+        out.append(dict(case=name, n=n, jax_ms=1e3 * best[0], hg_ms=1e3 * best[1],
+                        ratio=best[1] / best[0]))
+    return out
 
 
 def measure_in_subprocess(method, layout, n, reps, timeout_s) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--row", method, layout, str(n),
            "--reps", str(reps)]
+    return _run_json(cmd, timeout_s, dict(method=method, layout=layout, n=n))
+
+
+def _run_json(cmd, timeout_s, what: dict) -> dict:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return dict(method=method, layout=layout, n=n, error=f"timed out after {timeout_s} s")
+        return dict(what, error=f"timed out after {timeout_s} s")
     if out.returncode != 0:
         tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
-        return dict(method=method, layout=layout, n=n, error=tail[0][:200])
+        return dict(what, error=tail[0][:200])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -212,7 +294,7 @@ def exponents(rows) -> list[dict]:
     return out
 
 
-def report(rows, env) -> str:
+def report(rows, env, paired=(), extra=None) -> str:
     from _common import md_table
 
     def f(v, fmt):
@@ -237,6 +319,29 @@ def report(rows, env) -> str:
     lines += [md_table(["layout", "N", *METRICS],
                        [[r["layout"], r["n"], *[f(r.get(k), ".2f") for k in METRICS]]
                         for r in ratios(rows)]), ""]
+    if paired:
+        lines += ["## Step time, both programs in one process (calls alternated, fastest of "
+                  "each)", ""]
+        lines += [md_table(["layout", "N", "jax.grad ms", "hg.grad ms", "hg / jax"],
+                           [[p["layout"], p["n"], f(p.get("jax.grad step_ms"), ".2f"),
+                             f(p.get("hg.grad step_ms"), ".2f"), f(p.get("ratio"), ".2f")]
+                            if "error" not in p else [p["layout"], p["n"], p["error"], "", ""]
+                            for p in paired]), ""]
+    extra = extra or {}
+    if extra.get("trace"):
+        lines += ["## Trace time alone (both in one process, alternated, fastest of 3)", ""]
+        lines += [md_table(["N", "jax.grad s", "hg.grad s", "hg / jax"],
+                           [[t["n"], f(t.get("jax.grad trace_s"), ".2f"),
+                             f(t.get("hg.grad trace_s"), ".2f"), f(t.get("ratio"), ".2f")]
+                            if "error" not in t else [t["n"], t["error"], "", ""]
+                            for t in extra["trace"]]), ""]
+    if extra.get("eager"):
+        lines += ["## Later eager calls (un-jitted; alternated, fastest of 10)", ""]
+        lines += [md_table(["case", "N", "jax ms", "hg ms", "hg / jax"],
+                           [[e.get("case", "-"), e["n"], f(e.get("jax_ms"), ".1f"),
+                             f(e.get("hg_ms"), ".1f"), f(e.get("ratio"), ".2f")]
+                            if "error" not in e else ["-", e["n"], e["error"], "", ""]
+                            for e in extra["eager"]]), ""]
     lines += ["## Growth exponents (metric ~ N**e, least squares over the N swept)", ""]
     lines += [md_table(["method", "layout", *METRICS],
                        [[e["method"], e["layout"], *[f(e[k], ".2f") for k in METRICS]]
@@ -250,18 +355,48 @@ def main(argv=None):
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
                     choices=METHODS + EXTRA_METHODS)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--timeout-s", type=int, default=600)
     ap.add_argument("--out", default=None, help="path prefix for .md and .json")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="write --out from these runs' JSON files (one per JAX release)")
+    ap.add_argument("--paired-ns", type=int, nargs="*", default=[32],
+                    help="unrolled depths whose step time is also measured with both programs "
+                         "in one process")
+    ap.add_argument("--trace-ns", type=int, nargs="*", default=[64],
+                    help="unrolled depths whose trace time alone is measured, both in one "
+                         "process")
+    ap.add_argument("--eager-n", type=int, nargs="*", default=[2],
+                    help="unrolled depths whose later eager calls are timed")
+    ap.add_argument("--extra", nargs=2, metavar=("KIND", "N"),
+                    help="internal: one trace or eager measurement in this process")
+    ap.add_argument("--paired", nargs=2, metavar=("LAYOUT", "N"),
+                    help="internal: measure one paired step time in this process")
     ap.add_argument("--row", nargs=3, metavar=("METHOD", "LAYOUT", "N"),
                     help="internal: measure one row in this process and print it as JSON")
     args = ap.parse_args(argv)
+    if args.extra:
+        kind, n = args.extra[0], int(args.extra[1])
+        print(json.dumps(trace_times(n) if kind == "trace" else eager_times(n)))
+        return None
+    if args.paired:
+        print(json.dumps(paired_step(args.paired[0], int(args.paired[1]))))
+        return None
     if args.row:
         m, layout, n = args.row
         print(json.dumps(measure(m, layout, int(n), reps=args.reps)))
         return None
     from _common import env_info, write_json
 
+    if args.merge:
+        runs = [json.load(open(path)) for path in args.merge]
+        text = "\n\n".join(report(r["rows"], r["env"], r.get("paired", ()),
+                                    dict(trace=r.get("trace", []), eager=r.get("eager", [])))
+                             for r in runs)
+        with open(args.out + ".md", "w") as fh:
+            fh.write(text)
+        write_json(args.out + ".json", {f"jax {r['env']['jax']}": r for r in runs})
+        return None
     rows = []
     for layout in args.layouts:
         for n in args.ns:
@@ -269,14 +404,28 @@ def main(argv=None):
                 r = measure_in_subprocess(m, layout, n, args.reps, args.timeout_s)
                 print(json.dumps(r), flush=True)
                 rows.append(r)
+    paired = []
+    for n in args.paired_ns:
+        cmd = [sys.executable, os.path.abspath(__file__), "--paired", "unrolled", str(n)]
+        p = _run_json(cmd, args.timeout_s, dict(layout="unrolled", n=n))
+        print(json.dumps(p), flush=True)
+        paired.append(p)
+    extra = dict(trace=[], eager=[])
+    for kind, ns in (("trace", args.trace_ns), ("eager", args.eager_n)):
+        for n in ns:
+            cmd = [sys.executable, os.path.abspath(__file__), "--extra", kind, str(n)]
+            r = _run_json(cmd, args.timeout_s, dict(layout="unrolled", n=n))
+            print(json.dumps(r), flush=True)
+            extra[kind] += r if isinstance(r, list) else [r]
     env = env_info(sys.argv if argv is None else ["benchmarks/scaling_bench.py", *argv])
-    text = report(rows, env)
+    text = report(rows, env, paired, extra)
     print(text)
     if args.out:
         with open(args.out + ".md", "w") as fh:
             fh.write(text)
         write_json(args.out + ".json", dict(env=env, rows=rows, ratios=ratios(rows),
-                                            exponents=exponents(rows)))
+                                            exponents=exponents(rows), paired=paired,
+                                            **extra))
     return rows
 
 

@@ -49,3 +49,13 @@ def test_split_blocks_is_exact():
     x = jax.random.normal(jax.random.key(0), (4, 8), np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(scaling_bench.split_blocks)(x)),
                                   np.asarray(x))
+
+
+@pytest.mark.slow  # traces and un-jitted calls of a one-block model: about a minute when shared
+def test_trace_and_eager_measurements_at_tiny_size():
+    t = scaling_bench.trace_times(1, reps=1)
+    assert t["jax.grad trace_s"] > 0 and t["hg.grad trace_s"] > 0 and t["ratio"] > 0
+    cases = scaling_bench.eager_times(1, reps=1)
+    assert [c["case"] for c in cases] == ["grad", "value_and_grad", "reused vjp_fn",
+                                          "jax.grad(precise_backward(f))"]
+    assert all(c["jax_ms"] > 0 and c["hg_ms"] > 0 for c in cases)
