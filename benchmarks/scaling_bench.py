@@ -351,7 +351,7 @@ def report(rows, env, paired=(), extra=None) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ns", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--ns", type=int, nargs="*", default=[8, 16, 32])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
                     choices=METHODS + EXTRA_METHODS)
@@ -389,7 +389,13 @@ def main(argv=None):
     from _common import env_info, write_json
 
     if args.merge:
-        runs = [json.load(open(path)) for path in args.merge]
+        runs = {}
+        for path in args.merge:  # runs of one release (a sweep, extra measurements) combine
+            r = json.load(open(path))
+            into = runs.setdefault(r["env"]["jax"], dict(env=r["env"]))
+            for k in ("rows", "paired", "trace", "eager"):
+                into[k] = into.get(k, []) + r.get(k, [])
+        runs = list(runs.values())
         text = "\n\n".join(report(r["rows"], r["env"], r.get("paired", ()),
                                     dict(trace=r.get("trace", []), eager=r.get("eager", [])))
                              for r in runs)
