@@ -690,3 +690,27 @@ def test_typed_key_argument_of_checkpoint(save, maybe_jit):
         g = maybe_jit(grad(lambda x: jnp.sum(f(x, key))))(x)
         want = (1 - jnp.tanh(x) ** 2) * jax.random.normal(key, x.shape)
         np.testing.assert_allclose(g, want, rtol=2 ** -6, atol=2 ** -6)  # int8: 2**-7 of max
+
+
+def test_block_that_is_not_batch_polymorphic_runs_at_once(maybe_jit):
+    """`hg.compress_checkpoints` recomputes each block from its traced jaxpr, whose shapes are
+    the full batch's: it cannot be traced at a slice, so its backward runs at once (no error),
+    with the gradients of `hg.scan`'s unsliced backward (the same program: 16 float32 eps)."""
+    n, b, t, d = 2, 16, 128, 32
+    p = _attn_params(n, d, jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.bfloat16)
+    block = _attn_block(2)
+
+    def remat_loss(p, x):
+        return jnp.mean(lax.scan(jax.checkpoint(block), x, p)[0].astype(jnp.float32) ** 2)
+
+    def scan_loss(p, x):
+        c = hg.scan(block, x, p, codec="int8", backward_slices=1)[0]
+        return jnp.mean(c.astype(jnp.float32) ** 2)
+
+    g = maybe_jit(hg.grad(hg.compress_checkpoints(remat_loss, "int8")))(p, x)
+    want = maybe_jit(hg.grad(scan_loss))(p, x)
+    for a, w in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want)):
+        assert a.dtype == jnp.float32
+        err = np.max(np.abs(np.asarray(a) - np.asarray(w)))
+        assert err <= 16 * np.finfo(np.float32).eps * np.max(np.abs(np.asarray(w))), err

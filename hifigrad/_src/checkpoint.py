@@ -234,7 +234,10 @@ def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save:
     sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
                                    jnp.result_type(x)) if b else x
               for x, b in zip(flat, batched)]
-    fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
+    try:
+        fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
+    except Exception:  # noqa: BLE001 - `fun` is not batch-polymorphic (e.g. it evaluates a
+        return None    # jaxpr traced at the full batch, as hg.compress_checkpoints' blocks do)
     if len(consts_k) != len(consts) or any(a is not b for a, b in zip(consts, consts_k)):
         return None  # it closes over other values at the slice's size
     in_axes = [0 if b else None for b in batched] + [None] * len(consts)
