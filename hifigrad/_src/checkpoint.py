@@ -14,6 +14,16 @@ nothing.
 Values a function closes over (parameters under `jax.grad`) are hoisted into explicit inputs with
 `jax.closure_convert`; they are saved as they are, never encoded.
 
+The backward in batch slices (``backward_slices``, ``save="inputs"``): a float32 backward of a
+bf16 block holds float32 cotangents of its big intermediates (attention scores, MLP hidden),
+twice the bf16 backward's bytes. So when the cotangents are wider than the saved activations,
+the recomputed backward runs in slices along the batch axis, in a `lax.scan` (one slice's
+working set live at a time): each slice recomputes and differentiates its rows, the
+activations' cotangents are concatenated and the parameters' summed in float32. At forward
+time `checkpoint_call` decides it (`_slice_plan`): the block must be separable along the batch
+axis, which `separable.batch_axes` proves from its jaxpr, and the block traced at a slice of
+the batch must be the same program (`separable.same_program`); else the backward runs at once.
+
 What is saved (``save=``):
 
 ``"inputs"`` (default, the least memory)
