@@ -392,7 +392,9 @@ def main(argv=None):
         runs = {}
         for path in args.merge:  # runs of one release (a sweep, extra measurements) combine
             r = json.load(open(path))
-            into = runs.setdefault(r["env"]["jax"], dict(env=r["env"]))
+            into = runs.setdefault(r["env"]["jax"], dict(env=dict(r["env"])))
+            if into["env"] is not r["env"] and r["env"]["command"] not in into["env"]["command"]:
+                into["env"]["command"] += "`, then `" + r["env"]["command"]
             for k in ("rows", "paired", "trace", "eager"):
                 into[k] = into.get(k, []) + r.get(k, [])
         runs = list(runs.values())
