@@ -274,7 +274,10 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     Each slice recomputes its rows of the block and runs their backward: the same matmuls as
     the unsliced backward, on `k` times fewer rows. The batched inputs' cotangents are the
     slices' concatenated; every other input's (parameters) is the sum over slices,
-    accumulated in float32 (or wider).
+    accumulated in float32 (or wider). Slice i holds the rows i, i + k, i + 2k, ... (any
+    partition of a separable block's rows gives the same cotangents): a batch sharded along
+    its axis stays sharded, each device slicing its own rows, where contiguous slices made
+    XLA's SPMD partitioner gather the batch on every device.
     """
     from .api import _vjp
     from .rules import PROMOTE
@@ -283,8 +286,8 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     flat_cts, ct_tree = tree_flatten(cts)
     is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
 
-    def split(x):
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+    def split(x):  # slice i: rows i, i + k, i + 2k, ... (see the docstring)
+        return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
     xs_args = [split(a) for a, e in zip(args, batched) if e]
     xs_cts = [split(c) for c, f in zip(flat_cts, is_float) if f]
@@ -310,7 +313,7 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     acc, ys = lax.scan(body, acc0, (xs_args, xs_cts))
     it = iter(ys)
     return tuple(
-        next(it).reshape(np.shape(x)) if i < len(batched) and batched[i]
+        jnp.swapaxes(next(it), 0, 1).reshape(np.shape(x)) if i < len(batched) and batched[i]
         else acc[i] if i in acc
         else np.zeros(np.shape(x), jax.dtypes.float0)
         for i, x in enumerate((*args, *consts)))
