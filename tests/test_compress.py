@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
-from platforms import highest_precision
+from platforms import cpu_only, highest_precision
 
 import hifigrad as hg
 
@@ -447,3 +447,120 @@ def test_a_function_without_checkpoints_warns():
     with pytest.warns(UserWarning, match="has no checkpoint"):
         g = jax.grad(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
     assert g.shape == (4, 4)
+
+
+# ------------------------------------------------------------------ the sliced backward
+
+def _attn_block(heads):
+    """A pre-LN transformer block: causal XLA attention (a broadcast mask, `jnp.where` under a
+    jit) and a GELU MLP."""
+    def block(x, p):
+        b, t, d = x.shape
+        dh = d // heads
+
+        def ln(v):
+            mu = jnp.mean(v, -1, keepdims=True)
+            return (v - mu) * jax.lax.rsqrt(jnp.mean((v - mu) ** 2, -1, keepdims=True) + 1e-5)
+
+        q, k, v = jnp.split((ln(x) @ p["wqkv"]).reshape(b, t, 3, heads, dh), 3, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q[:, :, 0], k[:, :, 0]) * dh ** -0.5
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.asarray(-3e38, s.dtype))
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v[:, :, 0]).reshape(b, t, d)
+        x = x + o @ p["wo"]
+        return x + jax.nn.gelu(ln(x) @ p["w1"]) @ p["w2"], None
+    return block
+
+
+def _attn_params(n, d, dtype):
+    rng = np.random.default_rng(0)
+    shapes = {"wqkv": (d, 3 * d), "wo": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}
+    return {k: jnp.asarray(rng.normal(size=(n, *s)) / np.sqrt(s[0]), dtype)
+            for k, s in shapes.items()}
+
+
+def test_a_traced_block_evaluates_at_a_slice_of_its_batch():
+    """The block as compress_checkpoints holds it (a jaxpr traced at the full batch),
+    evaluated at a quarter of the batch, is the full evaluation's quarter (to float32
+    rounding: XLA may block a matmul of 2 rows differently from one of 8; 64 eps of the
+    largest entry); and it is the same program as the block traced at that size (what the
+    sliced backward checks)."""
+    from hifigrad._src import compress, separable
+
+    block = _attn_block(2)
+    p = jax.tree_util.tree_map(lambda a: a[0], _attn_params(1, 32, jnp.float32))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16, 32)), jnp.float32)
+    closed = jax.make_jaxpr(lambda x, p: block(x, p)[0])(x, p)
+    jaxpr, consts = closed.jaxpr, closed.consts
+    leaves = jax.tree_util.tree_leaves(p)
+    full = compress._eval_resizable(jaxpr, consts, x, *leaves)[0]
+    part = compress._eval_resizable(jaxpr, consts, x[:2], *leaves)[0]
+    full = np.asarray(full)[:2]
+    np.testing.assert_allclose(np.asarray(part), full, rtol=0,
+                               atol=64 * np.finfo(np.float32).eps * np.abs(full).max())
+    sliced = jax.make_jaxpr(lambda x, *l: compress._eval_resizable(jaxpr, consts, x, *l))(
+        x[:2], *leaves).jaxpr
+    direct = jax.make_jaxpr(lambda x, p: block(x, p)[0])(x[:2], p).jaxpr
+    assert separable.same_program(jaxpr, sliced, 4)
+    assert separable.same_program(direct, sliced, 1)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda x: x - jnp.mean(x, 0, keepdims=True), "reduces over the batch axis"),
+    (lambda x: jax.nn.relu(x) * 2, "custom_jvp"),  # its JVP is held traced at the full batch
+])
+def test_blocks_that_are_not_resized(fn, match):
+    from hifigrad._src import compress
+
+    closed = jax.make_jaxpr(fn)(jnp.ones((8, 4)))
+    with pytest.raises(compress._Unresizable, match=match):
+        compress._eval_resizable(closed.jaxpr, closed.consts, jnp.ones((2, 4)))
+
+
+def test_a_block_that_is_not_resized_runs_its_backward_at_once():
+    """A ReLU block (a custom_jvp) under compress_checkpoints: its backward runs unsliced,
+    with the gradients of hg.scan's (sliced) backward to float32 rounding of the parameter
+    cotangents' sums, taken in another order (16 eps of the largest entry)."""
+    n, b, t, d = 2, 16, 64, 64
+    p = _attn_params(n, d, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.float32)
+
+    def block(h, p):
+        return h + jax.nn.relu(h @ p["w1"]) @ p["w2"], None
+
+    def remat(p, x):
+        return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
+
+    def scanned(p, x):
+        return jnp.mean(hg.scan(block, x, p, codec="int8")[0] ** 2)
+
+    with highest_precision():
+        got = jax.jit(hg.grad(hg.compress_checkpoints(remat, "int8")))(p, x)
+        want = jax.jit(hg.grad(scanned))(p, x)
+    for k in got:
+        scale = float(jnp.abs(want[k]).max())
+        np.testing.assert_allclose(got[k], want[k], rtol=0,
+                                   atol=16 * np.finfo(np.float32).eps * scale)
+
+
+@cpu_only(reason="XLA:CPU's buffer sizes")
+def test_sliced_backward_memory_and_gradients_equal_hg_scans():
+    """On a bf16 transformer stack, hg.grad over compress_checkpoints of the plain remat scan
+    runs the same sliced float32 backward as hg.scan: the same peak temp (below the bf16 remat
+    scan's) and the same gradients."""
+    n, b, t, d = 4, 16, 128, 64
+    p = _attn_params(n, d, jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.bfloat16)
+    block = _attn_block(2)
+
+    def loss(scan):
+        return lambda p, x: jnp.mean(scan(p, x).astype(jnp.float32) ** 2)
+
+    remat = loss(lambda p, x: jax.lax.scan(jax.checkpoint(block), x, p)[0])
+    scanned = loss(lambda p, x: hg.scan(block, x, p, codec="int8")[0])
+    steps = {"cc": hg.grad(hg.compress_checkpoints(remat, "int8")), "hg.scan": hg.grad(scanned),
+             "remat": jax.grad(remat)}
+    temp = {k: jax.jit(f).lower(p, x).compile().memory_analysis().temp_size_in_bytes
+            for k, f in steps.items()}
+    assert temp["cc"] == temp["hg.scan"], temp
+    assert temp["cc"] < temp["remat"], temp
+    _close(jax.jit(steps["cc"])(p, x), jax.jit(steps["hg.scan"])(p, x), rtol=0)

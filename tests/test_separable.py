@@ -98,3 +98,40 @@ def test_block_that_branches_on_the_batch_size_is_not_sliced(maybe_jit):
         g = maybe_jit(jax.grad(loss))(wb, xb)
         want = jax.grad(lambda w, x: jnp.mean(block(x, w) ** 2))(wb, xb)
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6 * np.max(np.abs(want)))
+
+
+def _two_relus():
+    """Two custom_jvp functions with the same primal and different JVP rules."""
+    @jax.custom_jvp
+    def relu_a(x):
+        return jnp.maximum(x, 0.0)
+
+    @relu_a.defjvp
+    def _a(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return relu_a(x), jnp.where(x > 0, t, jnp.zeros_like(t))
+
+    @jax.custom_jvp
+    def relu_b(x):
+        return jnp.maximum(x, 0.0)
+
+    @relu_b.defjvp
+    def _b(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return relu_b(x), jnp.where(x >= 0, t, jnp.zeros_like(t))
+
+    return relu_a, relu_b
+
+
+def test_same_program_sees_one_custom_rule_traced_twice():
+    """JAX holds a custom_jvp's JVP as an object made afresh in every trace: the same rule
+    traced at two batch sizes is the same program (so a ReLU block's backward may run in
+    slices); two rules with the same primal are not."""
+    relu_a, relu_b = _two_relus()
+
+    def traced(fn, n):
+        return jax.make_jaxpr(lambda x: fn(x) * 2)(jnp.ones((n, 4))).jaxpr
+
+    assert same_program(traced(jax.nn.relu, 8), traced(jax.nn.relu, 2), 4)
+    assert same_program(traced(relu_a, 8), traced(relu_a, 2), 4)
+    assert not same_program(traced(relu_a, 8), traced(relu_b, 2), 4)

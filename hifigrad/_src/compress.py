@@ -36,6 +36,7 @@ statistics, RNG counts) are written back to the caller's objects, as `nnx.grad` 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -144,12 +145,10 @@ class _Rewriter:
     def remat(self, eqn, vals, alive):
         closed = eqn.params["jaxpr"]
         jaxpr, consts = compat.jaxpr_and_consts(closed)
-
-        def body(*args):
-            # The block as written (checkpoints nested in it stay plain `jax.checkpoint`s:
-            # they only act during this block's own recomputation).
-            return _eval_plain(jaxpr, consts, args)
-
+        # The block as written (checkpoints nested in it stay plain `jax.checkpoint`s: they
+        # only act during this block's own recomputation), evaluable at a slice of its batch
+        # so that its backward may run in slices (`checkpoint`'s ``backward_slices``).
+        body = functools.partial(_eval_resizable, jaxpr, consts)
         flat = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in vals]
         encode = [not a and _is_activation_dtype(v.aval) for v, a in zip(eqn.invars, alive)]
         in_tree = jax.tree_util.tree_structure(tuple(flat))
@@ -157,6 +156,282 @@ class _Rewriter:
             out = checkpoint_call(lambda *a: list(body(*a)), flat, in_tree, encode, self.codec,
                                   self.policy, self.save)
         return list(out)
+
+
+# ---------------------------------------------------------------------- a block at a slice
+# `checkpoint` runs a recomputed block's backward in slices of its batch when the block,
+# traced at the slice's size, is provably the same program (separable.py). A block here is a
+# jaxpr traced at the full batch, so it is evaluated at a slice by re-binding each equation
+# with its shape params divided along the batch axis: `_resize_plan` finds, from the jaxpr,
+# which axis of each value is the batch axis (a batched value's, or a batch-independent value
+# that meets one, such as a broadcast mask: made at the slice's size where it is made), and
+# which equations' params change. Anything it does not know (gathers, loops, a custom_jvp
+# function such as jax.nn.relu, whose JVP JAX holds traced at the full batch) raises
+# `_Unresizable`; the block then runs at its full size only (checkpoint's backward at once).
+
+
+class _Unresizable(Exception):
+    pass
+
+
+_RESIZE_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
+    one_minus_square or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt
+    square sub tan tanh xor stop_gradient optimization_barrier
+    """.split())
+_RESIZE_REDUCTIONS = frozenset("""
+    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
+    """.split())
+_RESIZE_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+# A custom_jvp call is not among them: JAX holds its JVP rule as a thunk memoized at the
+# avals of its first trace (the full batch), so the rule cannot be re-traced at a slice.
+_RESIZE_CALLS = frozenset(p for p in (compat.pjit_p, compat.closed_call_p) if p)
+
+
+def _shape(v):
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _sub_jaxpr(eqn):
+    return compat.jaxpr_and_consts(
+        next(eqn.params[k] for k in ("jaxpr", "call_jaxpr") if k in eqn.params))
+
+
+def _resize_plan(jaxpr, in_axes) -> tuple[dict, dict]:
+    """(axis of each resized variable, {equation index: sub-plan or None}) of `jaxpr` with its
+    inputs resized along `in_axes` (an axis or None per input)."""
+    axes: dict = {v: a for v, a in zip(jaxpr.invars, in_axes) if a is not None}
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars
+                if not compat.is_dropvar(v)}
+    subplans: dict = {}
+    demanded: list = []
+
+    def ax(v):
+        return None if compat.is_literal(v) else axes.get(v)
+
+    def demand(u, a):
+        """`u`, which depends on no resized input, meets the batch axis at its axis `a`."""
+        if compat.is_literal(u) or not _shape(u) or _shape(u)[a] == 1:
+            return
+        if u in axes:
+            if axes[u] != a:
+                raise _Unresizable("a value meets the batch axis at two axes")
+            return
+        if u not in producer:
+            raise _Unresizable("a batch-sized input or constant that is not sliced")
+        axes[u] = a
+        demanded.append(u)
+
+    def set_out(eqn, a):
+        for v in eqn.outvars:
+            if not compat.is_dropvar(v):
+                axes[v] = a
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [ax(v) for v in eqn.invars]
+        if all(a is None for a in ins):
+            continue
+        name, p = eqn.primitive.name, eqn.params
+        if eqn.primitive in _RESIZE_CALLS:
+            sub, _ = _sub_jaxpr(eqn)
+            n = len(sub.invars)
+            sub_axes, sub_plans = _resize_plan(sub, ins[len(ins) - n:])
+            # demands inside on the sub-jaxpr's inputs are demands on the operands
+            for v, sv in zip(eqn.invars[len(ins) - n:], sub.invars):
+                if sv in sub_axes and ax(v) is None:
+                    demand(v, sub_axes[sv])
+            subplans[i] = (sub_axes, sub_plans)
+            for v, sv in zip(eqn.outvars, sub.outvars):
+                a = None if compat.is_literal(sv) else sub_axes.get(sv)
+                if a is not None and not compat.is_dropvar(v):
+                    axes[v] = a
+            continue
+        marked = {a for a in ins if a is not None}
+        if name in _RESIZE_ELEMENTWISE or name == "concatenate":
+            if len(marked) != 1:
+                raise _Unresizable(f"{name}: operands resized along different axes")
+            (a,) = marked
+            if name == "concatenate" and p["dimension"] == a:
+                raise _Unresizable("concatenates along the batch axis")
+            out_shape = _shape(eqn.outvars[0])
+            for v, b in zip(eqn.invars, ins):
+                if b is None and (name == "concatenate" or _shape(v) == out_shape):
+                    demand(v, a)
+            set_out(eqn, a)
+        elif name == "broadcast_in_dim":
+            if any(a is not None for a in ins[1:]):
+                raise _Unresizable("a resized dynamic shape")
+            set_out(eqn, tuple(p["broadcast_dimensions"])[ins[0]])
+        elif name == "transpose":
+            set_out(eqn, tuple(p["permutation"]).index(ins[0]))
+        elif name == "squeeze":
+            dims = tuple(p["dimensions"])
+            if ins[0] in dims:
+                raise _Unresizable("squeezes the batch axis")
+            set_out(eqn, ins[0] - sum(d < ins[0] for d in dims))
+        elif name == "reshape":
+            if any(a is not None for a in ins[1:]):
+                raise _Unresizable("a resized dynamic shape")
+            a, shape, new = ins[0], _shape(eqn.invars[0]), tuple(p["new_sizes"])
+            pre = math.prod(shape[:a])
+            js = [j for j in range(len(new)) if math.prod(new[:j]) == pre
+                  and new[j] % shape[a] == 0 and math.prod(new[j:]) == math.prod(shape[a:])]
+            if not js:
+                raise _Unresizable("a reshape that splits the batch axis")
+            set_out(eqn, js[0])
+        elif name in _RESIZE_REDUCTIONS:
+            red = tuple(p["axes"])
+            if len(marked) != 1 or ins[0] in red:
+                raise _Unresizable("reduces over the batch axis")
+            set_out(eqn, ins[0] - sum(d < ins[0] for d in red))
+        elif name in _RESIZE_CUMULATIVE or name in ("split", "pad"):
+            a = ins[0]
+            if (name in _RESIZE_CUMULATIVE or name == "split") and p["axis"] == a:
+                raise _Unresizable(f"{name} along the batch axis")
+            if name == "pad" and (ins[1] is not None
+                                   or tuple(p["padding_config"][a]) != (0, 0, 0)):
+                raise _Unresizable("pads along the batch axis")
+            set_out(eqn, a)
+        elif name == "slice":
+            a, n = ins[0], _shape(eqn.invars[0])[ins[0]]
+            strides = p.get("strides") or (1,) * len(_shape(eqn.invars[0]))
+            if (p["start_indices"][a], p["limit_indices"][a], strides[a]) != (0, n, 1):
+                raise _Unresizable("slices the batch axis")
+            set_out(eqn, a)
+        elif name == "dot_general":
+            set_out(eqn, _dot_out_axis(eqn, ins, demand))
+        else:
+            raise _Unresizable(f"no resizing rule for {name}")
+
+    # Batch-independent values that meet the batch axis are made at the slice's size where
+    # they are made: walk back to the broadcast or iota that creates the axis.
+    while demanded:
+        u = demanded.pop()
+        a = axes[u]
+        eqn = jaxpr.eqns[producer[u]]
+        name = eqn.primitive.name
+        if name == "broadcast_in_dim":
+            dims = tuple(eqn.params["broadcast_dimensions"])
+            if a in dims:
+                demand(eqn.invars[0], dims.index(a))
+        elif name == "iota":
+            if eqn.params["dimension"] == a:
+                raise _Unresizable("an iota along the batch axis")
+        elif name in _RESIZE_ELEMENTWISE:
+            for v in eqn.invars:
+                if not compat.is_literal(v) and _shape(v) == _shape(u):
+                    demand(v, a)
+        elif name == "transpose":
+            demand(eqn.invars[0], tuple(eqn.params["permutation"])[a])
+        else:
+            raise _Unresizable(f"a batch-sized value made by {name}")
+    return axes, subplans
+
+
+def _dot_out_axis(eqn, ins, demand) -> int:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    la, ra = ins
+    lhs, rhs = eqn.invars
+    if (la is not None and la in lc) or (ra is not None and ra in rc):
+        raise _Unresizable("contracts over the batch axis")
+    if la is not None and la in lb:
+        i = lb.index(la)
+        if ra is None:
+            demand(rhs, rb[i])
+        elif ra != rb[i]:
+            raise _Unresizable("operands resized along different axes")
+        return i
+    if ra is not None and ra in rb:
+        i = rb.index(ra)
+        if la is not None:
+            raise _Unresizable("operands resized along different axes")
+        demand(lhs, lb[i])
+        return i
+    if la is not None and ra is not None:
+        raise _Unresizable("an outer product of two resized operands")
+    n_lhs = len(_shape(lhs))
+    if la is not None:
+        free = [d for d in range(n_lhs) if d not in lc and d not in lb]
+        return len(lb) + free.index(la)
+    free_l = n_lhs - len(lc) - len(lb)
+    free = [d for d in range(len(_shape(rhs))) if d not in rc and d not in rb]
+    return len(lb) + free_l + free.index(ra)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(jaxpr, in_axes: tuple):
+    return _resize_plan(jaxpr, in_axes)
+
+
+def _resized_params(eqn, axes: dict, k: int) -> dict | None:
+    """`eqn`'s params with its output's batch axis `k` times shorter (None: unchanged)."""
+    outs = [v for v in eqn.outvars if not compat.is_dropvar(v)]
+    a = axes.get(outs[0]) if outs else None
+    if a is None:
+        return None
+    name = eqn.primitive.name
+    key = {"broadcast_in_dim": "shape", "iota": "shape", "reshape": "new_sizes"}.get(name)
+    if key is not None:
+        shape = list(eqn.params[key])
+        shape[a] //= k
+        return dict(eqn.params, **{key: tuple(shape)})
+    if name == "slice":
+        limit = list(eqn.params["limit_indices"])
+        limit[a] //= k
+        return dict(eqn.params, limit_indices=tuple(limit))
+    return None
+
+
+def _eval_resized(jaxpr, consts, args, plan, k: int) -> list:
+    axes, subplans = plan
+    env: dict = {}
+
+    def read(v):
+        return v.val if compat.is_literal(v) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        if i in subplans:
+            outs = _eval_resized_call(eqn, invals, subplans[i], k)
+        else:
+            outs = compat.bind_eqn(eqn, invals, _resized_params(eqn, axes, k))
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_resized_call(eqn, invals, subplan, k: int) -> list:
+    """A jit call, re-bound with its jaxpr traced at the slice's size (the same equation, so
+    that the sliced block is the same program)."""
+    sub, sub_consts = _sub_jaxpr(eqn)
+    n = len(sub.invars)
+    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+    closed = jax.make_jaxpr(lambda *a: _eval_resized(sub, sub_consts, a, subplan, k))(
+        *invals[len(invals) - n:])
+    return compat.bind_eqn(eqn, invals, dict(eqn.params, **{key: closed}))
+
+
+def _eval_resizable(jaxpr, consts, *args) -> list:
+    """`jaxpr` on `args`, which are its inputs or slices of them along their leading axis."""
+    in_axes, ks = [], set()
+    for v, x in zip(jaxpr.invars, args):
+        full, got = _shape(v), tuple(np.shape(x))
+        if full == got:
+            in_axes.append(None)
+            continue
+        if len(full) != len(got) or full[1:] != got[1:] or not got[0] or full[0] % got[0]:
+            raise _Unresizable(f"an input of shape {got} for {full}")
+        in_axes.append(0)
+        ks.add(full[0] // got[0])
+    if not ks:
+        return _eval_plain(jaxpr, consts, args)
+    if len(ks) != 1:
+        raise _Unresizable("inputs sliced by different factors")
+    return _eval_resized(jaxpr, consts, args, _cached_plan(jaxpr, tuple(in_axes)), ks.pop())
 
 
 def _eval_plain(jaxpr, consts, args) -> list:

@@ -217,6 +217,19 @@ def _dot_axis(eqn, axes, constant_along, fail):
     return len(lb) + free_l + free.index(ra)
 
 
+def _same_rule(a, b) -> bool:
+    """Whether `a` and `b`, callables in two traces' equation params, are the same custom rule
+    traced twice. JAX holds a `custom_jvp`'s JVP (and a `custom_vjp`'s fwd thunk and bwd) as
+    objects it makes afresh in every trace, which never compare equal: the same rule is the
+    same traced function (its debug info: name and source) or the same code."""
+    if type(a) is not type(b):
+        return False
+    if type(a).__name__ == "WrappedFun":
+        return getattr(a, "debug_info", None) == getattr(b, "debug_info", None) is not None
+    code = getattr(a, "__code__", None) if callable(a) else None
+    return code is not None and code is getattr(b, "__code__", None)
+
+
 def same_program(full, sliced, k: int) -> bool:
     """Whether `sliced` (a jaxpr traced at 1/`k` of the batch) is `full` (the one analysed)
     with its batch-sized lengths divided by `k`: the same equations, wired the same way, with
@@ -235,9 +248,11 @@ def same_program(full, sliced, k: int) -> bool:
         if isinstance(a, dict) and isinstance(b, dict):
             return a.keys() == b.keys() and all(same_value(a[x], b[x]) for x in a)
         try:
-            return bool(a == b)
+            if bool(a == b):
+                return True
         except Exception:  # noqa: BLE001 - values that do not compare: not provably the same
             return False
+        return _same_rule(a, b)
 
     def same_aval(u, v) -> bool:
         au, av = u.aval, v.aval
