@@ -10,10 +10,10 @@ from ._src.api import vjp as vjp
 from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
 from ._src.codecs import get_codec as get_codec
-from ._src.compress import compress_checkpoints as compress_checkpoints
 from ._src.compat import JaxCompatibilityError as JaxCompatibilityError
 from ._src.compat import UntestedJaxWarning as UntestedJaxWarning
 from ._src.compat import check_jax_version as _check_jax_version
+from ._src.compress import compress_checkpoints as compress_checkpoints
 from ._src.interpreter import PrecisionFallbackWarning as PrecisionFallbackWarning
 from ._src.interpreter import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from ._src.policy import Policy as Policy
