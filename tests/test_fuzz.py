@@ -463,7 +463,7 @@ _VALUES = st.one_of(st.sampled_from(_SPECIAL_F32),
                               allow_subnormal=True))
 
 
-@_settings(32)
+@_settings(24)
 @given(n=st.integers(-3, 4), vals=st.lists(_VALUES, min_size=1, max_size=6),
        coefficients=st.sampled_from(["forward", "tangent"]),
        dtype=st.sampled_from(["float32", "bfloat16"]), jit=st.booleans())
@@ -479,7 +479,7 @@ def test_fuzz_integer_pow_special_values(n, vals, coefficients, dtype, jit):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=F32_RTOL, atol=0)
 
 
-@_settings(16)
+@_settings(10)
 @given(coefs=st.lists(st.floats(-4, 4, width=32), min_size=1, max_size=5),
        vals=st.lists(_VALUES, min_size=1, max_size=6), jit=st.booleans())
 def test_fuzz_polynomials_under_tangent_coefficients(coefs, vals, jit):
