@@ -177,3 +177,13 @@ def test_unrolled_backward_compiles_to_jax_grads_size(monkeypatch):
     unfixed = _instructions(hg.grad(loss), (ws, x))
     assert fixed <= 1.5 * ref, (fixed, ref)
     assert unfixed > 1.5 * ref, (unfixed, ref)
+
+
+@pytest.mark.parametrize("n, divides", [(1, False), (2, False), (4, True)])
+def test_skip_connections_materialized_only_in_a_chain_of_blocks(n, divides):
+    # One or two skip connections (a scanned stack's step, one recomputed block): nothing is
+    # materialized (it would cost an activation-sized buffer and save nothing); a chain of
+    # MIN_SKIP_CHAIN or more: each one is (an opaque divide on CPU).
+    ws, x = _residual_args(n)
+    text = str(jax.make_jaxpr(hg.grad(_residual_loss(n, jnp.bfloat16)))(ws, x))
+    assert ("optimization_barrier" in text) == divides

@@ -194,6 +194,23 @@ def _reaches_through_matmul(eqns, producer, anc, var) -> bool:
     return hit and matmul
 
 
+# Materializing costs one activation-sized buffer per skip connection (the opaque ones), and
+# buys nothing unless the cotangent chain through the residual stream is long: XLA:CPU's
+# duplication grows with the number of blocks the chain crosses in one program (quadratically),
+# while one block (a pre-LN transformer block has two skip connections) at most doubles it. A
+# scanned stack's body, or one recomputed block of a checkpoint, holds one block.
+MIN_SKIP_CHAIN = 3
+
+
+def _count_skips(jaxpr) -> int:
+    """Skip connections closed in `jaxpr` and the jaxprs its equations hold."""
+    n = len(skip_connection_adds(jaxpr))
+    for eqn in jaxpr.eqns:
+        for sub in compat.jaxprs_in_params(eqn.params):
+            n += _count_skips(compat.jaxpr_and_consts(sub)[0])
+    return n
+
+
 def _opaque_identity_cpu(x):
     # `x / 1` where XLA cannot see the 1 until after its algebraic simplifier has run (the
     # barrier is removed just before fusion): exact, and a float divide is an "expensive"
@@ -328,11 +345,16 @@ class Interpreter:
         return [o for o, _ in outs], [f for _, f in outs]
 
     def _skip_adds(self, jaxpr) -> frozenset:
-        """`skip_connection_adds` of `jaxpr`, cached for this interpreter."""
+        """`skip_connection_adds` of `jaxpr`, cached for this interpreter; none at all when
+        the whole program (the outermost jaxpr evaluated, sub-jaxprs included) closes fewer
+        than `MIN_SKIP_CHAIN` skip connections."""
         cache = self.__dict__.setdefault("_skip_cache", {})
         hit = cache.get(id(jaxpr))
         if hit is None:
-            hit = cache[id(jaxpr)] = (jaxpr, skip_connection_adds(jaxpr))
+            if "_chain" not in self.__dict__:  # the outermost program
+                self._chain = _count_skips(jaxpr) >= MIN_SKIP_CHAIN
+            hit = cache[id(jaxpr)] = (jaxpr, skip_connection_adds(jaxpr) if self._chain
+                                      else frozenset())
         return hit[1]
 
     def eval_closed(self, closed, args, flags):
