@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 from platforms import cpu_only, highest_precision
+from test_checkpoint import _attn_block, _attn_params  # a pre-LN transformer block
 
 import hifigrad as hg
 
@@ -450,33 +451,6 @@ def test_a_function_without_checkpoints_warns():
 
 
 # ------------------------------------------------------------------ the sliced backward
-
-def _attn_block(heads):
-    """A pre-LN transformer block: causal XLA attention (a broadcast mask, `jnp.where` under a
-    jit) and a GELU MLP."""
-    def block(x, p):
-        b, t, d = x.shape
-        dh = d // heads
-
-        def ln(v):
-            mu = jnp.mean(v, -1, keepdims=True)
-            return (v - mu) * jax.lax.rsqrt(jnp.mean((v - mu) ** 2, -1, keepdims=True) + 1e-5)
-
-        q, k, v = jnp.split((ln(x) @ p["wqkv"]).reshape(b, t, 3, heads, dh), 3, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q[:, :, 0], k[:, :, 0]) * dh ** -0.5
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.asarray(-3e38, s.dtype))
-        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v[:, :, 0]).reshape(b, t, d)
-        x = x + o @ p["wo"]
-        return x + jax.nn.gelu(ln(x) @ p["w1"]) @ p["w2"], None
-    return block
-
-
-def _attn_params(n, d, dtype):
-    rng = np.random.default_rng(0)
-    shapes = {"wqkv": (d, 3 * d), "wo": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}
-    return {k: jnp.asarray(rng.normal(size=(n, *s)) / np.sqrt(s[0]), dtype)
-            for k, s in shapes.items()}
-
 
 def test_a_traced_block_evaluates_at_a_slice_of_its_batch():
     """The block as compress_checkpoints holds it (a jaxpr traced at the full batch),

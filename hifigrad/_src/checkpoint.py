@@ -70,6 +70,7 @@ from jax.tree_util import tree_flatten, tree_unflatten
 from . import compat
 from .codecs import Codec, Encoded, get_codec
 from .policy import Policy, resolve_policy
+from .separable import call_jaxpr as _call_jaxpr
 
 __all__ = ["checkpoint", "scan"]
 
@@ -509,18 +510,6 @@ class _Plan:
 
 
 jax.tree_util.register_pytree_node(_Plan, lambda p: ((), p), lambda p, _: p)
-
-
-def _call_jaxpr(eqn):
-    """The sub-jaxpr of a call-like equation with the equation's arity, or None."""
-    from .rules import CALL_PRIMITIVES, _call_jaxpr_param
-
-    if eqn.primitive not in CALL_PRIMITIVES:
-        return None
-    jaxpr = compat.jaxpr_and_consts(_call_jaxpr_param(eqn))[0]
-    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
-        return None
-    return jaxpr
 
 
 def _dependence(jaxpr, in_flags: Sequence[bool]) -> dict:

@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import tree_flatten, tree_unflatten
 
-from . import compat
+from . import compat, separable
 from .checkpoint import check_save, checkpoint_call
 from .codecs import get_codec
 from .dtypes import is_real_float
@@ -168,23 +168,15 @@ class _Rewriter:
 # which equations' params change. Anything it does not know (gathers, loops, a custom_jvp
 # function such as jax.nn.relu, whose JVP JAX holds traced at the full batch) raises
 # `_Unresizable`; the block then runs at its full size only (checkpoint's backward at once).
+# Its rules are separable.py's (the analysis that decides whether a block's backward may run
+# in slices), with one difference: a batch-independent operand that meets the batch axis is
+# made at the slice's size instead of only checked constant along it.
 
 
 class _Unresizable(Exception):
     pass
 
 
-_RESIZE_ELEMENTWISE = frozenset("""
-    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
-    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
-    one_minus_square or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt
-    square sub tan tanh xor stop_gradient optimization_barrier
-    """.split())
-_RESIZE_REDUCTIONS = frozenset("""
-    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
-    """.split())
-_RESIZE_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 # A custom_jvp call is not among them: JAX holds its JVP rule as a thunk memoized at the
 # avals of its first trace (the full batch), so the rule cannot be re-traced at a slice.
 _RESIZE_CALLS = frozenset(p for p in (compat.pjit_p, compat.closed_call_p) if p)
@@ -249,7 +241,7 @@ def _resize_plan(jaxpr, in_axes) -> tuple[dict, dict]:
                     axes[v] = a
             continue
         marked = {a for a in ins if a is not None}
-        if name in _RESIZE_ELEMENTWISE or name == "concatenate":
+        if name in separable.ELEMENTWISE or name == "concatenate":
             if len(marked) != 1:
                 raise _Unresizable(f"{name}: operands resized along different axes")
             (a,) = marked
@@ -281,14 +273,14 @@ def _resize_plan(jaxpr, in_axes) -> tuple[dict, dict]:
             if not js:
                 raise _Unresizable("a reshape that splits the batch axis")
             set_out(eqn, js[0])
-        elif name in _RESIZE_REDUCTIONS:
+        elif name in separable.REDUCTIONS:
             red = tuple(p["axes"])
             if len(marked) != 1 or ins[0] in red:
                 raise _Unresizable("reduces over the batch axis")
             set_out(eqn, ins[0] - sum(d < ins[0] for d in red))
-        elif name in _RESIZE_CUMULATIVE or name in ("split", "pad"):
+        elif name in separable.CUMULATIVE or name in ("split", "pad"):
             a = ins[0]
-            if (name in _RESIZE_CUMULATIVE or name == "split") and p["axis"] == a:
+            if (name in separable.CUMULATIVE or name == "split") and p["axis"] == a:
                 raise _Unresizable(f"{name} along the batch axis")
             if name == "pad" and (ins[1] is not None
                                    or tuple(p["padding_config"][a]) != (0, 0, 0)):
@@ -319,7 +311,7 @@ def _resize_plan(jaxpr, in_axes) -> tuple[dict, dict]:
         elif name == "iota":
             if eqn.params["dimension"] == a:
                 raise _Unresizable("an iota along the batch axis")
-        elif name in _RESIZE_ELEMENTWISE:
+        elif name in separable.ELEMENTWISE:
             for v in eqn.invars:
                 if not compat.is_literal(v) and _shape(v) == _shape(u):
                     demand(v, a)
@@ -331,34 +323,16 @@ def _resize_plan(jaxpr, in_axes) -> tuple[dict, dict]:
 
 
 def _dot_out_axis(eqn, ins, demand) -> int:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
-    la, ra = ins
-    lhs, rhs = eqn.invars
-    if (la is not None and la in lc) or (ra is not None and ra in rc):
-        raise _Unresizable("contracts over the batch axis")
-    if la is not None and la in lb:
-        i = lb.index(la)
-        if ra is None:
-            demand(rhs, rb[i])
-        elif ra != rb[i]:
-            raise _Unresizable("operands resized along different axes")
-        return i
-    if ra is not None and ra in rb:
-        i = rb.index(ra)
-        if la is not None:
-            raise _Unresizable("operands resized along different axes")
-        demand(lhs, lb[i])
-        return i
-    if la is not None and ra is not None:
-        raise _Unresizable("an outer product of two resized operands")
-    n_lhs = len(_shape(lhs))
-    if la is not None:
-        free = [d for d in range(n_lhs) if d not in lc and d not in lb]
-        return len(lb) + free.index(la)
-    free_l = n_lhs - len(lc) - len(lb)
-    free = [d for d in range(len(_shape(rhs))) if d not in rc and d not in rb]
-    return len(lb) + free_l + free.index(ra)
+    """separable's dot_general rule, where a batch-independent operand that meets the batch
+    axis is demanded at the slice's size instead of checked constant along it."""
+    def constant_along(v, a):
+        demand(v, a)
+        return True
+
+    def fail(eqn, why):
+        raise _Unresizable(f"{eqn.primitive.name}: {why}")
+
+    return separable.dot_axis(eqn, ins, constant_along, fail)
 
 
 @functools.lru_cache(maxsize=256)

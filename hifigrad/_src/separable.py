@@ -32,21 +32,22 @@ class NotSeparable(Exception):
     """The program mixes rows along the batch axis, or this analysis cannot show it does not."""
 
 
-_ELEMENTWISE = frozenset("""
+ELEMENTWISE = frozenset("""
     abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
     copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
     one_minus_square or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt
     square sub tan tanh xor hifigrad_upcast stop_gradient optimization_barrier
     """.split())
-_REDUCTIONS = frozenset("""
+REDUCTIONS = frozenset("""
     reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
     reduce_precision
     """.split()) - {"reduce_precision"}
-_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 
 
-def _call_jaxpr(eqn):
+def call_jaxpr(eqn):
+    """The sub-jaxpr of a call-like equation with the equation's arity, or None."""
     from .rules import CALL_PRIMITIVES, _call_jaxpr_param
 
     if eqn.primitive not in CALL_PRIMITIVES:
@@ -87,7 +88,7 @@ def batch_axes(jaxpr, in_axes: Sequence[int | None], batch: int) -> list[int | N
             return constant_along(eqn.invars[0], dims.index(a))
         if name == "iota":
             return eqn.params["dimension"] != a
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE:
             return all(constant_along(u, a) for u in eqn.invars
                        if compat.is_literal(u) or _shape(u) == _shape(v))
         return False
@@ -105,10 +106,10 @@ def batch_axes(jaxpr, in_axes: Sequence[int | None], batch: int) -> list[int | N
         if eqn.effects:
             fail(eqn, "has effects")
         name = eqn.primitive.name
-        sub = _call_jaxpr(eqn)
+        sub = call_jaxpr(eqn)
         if sub is not None:
             out_axes = batch_axes(sub, axes, batch)
-        elif name in _ELEMENTWISE:
+        elif name in ELEMENTWISE:
             marked = {a for a in axes if a is not None}
             if len(marked) != 1:
                 fail(eqn, "operands batched along different axes")
@@ -139,19 +140,19 @@ def batch_axes(jaxpr, in_axes: Sequence[int | None], batch: int) -> list[int | N
             if not js:
                 fail(eqn, "splits the batch axis or moves it under another axis")
             out_axes = [js[0]]
-        elif name in _REDUCTIONS:
+        elif name in REDUCTIONS:
             red = tuple(eqn.params["axes"])
             if len(eqn.invars) != 1 and any(a != axes[0] for a in axes):
                 fail(eqn, "operands batched along different axes")
             if axes[0] in red:
                 fail(eqn, "reduces over the batch axis")
             out_axes = [axes[0] - sum(d < axes[0] for d in red)] * len(outs)
-        elif name in _CUMULATIVE:
+        elif name in CUMULATIVE:
             if eqn.params["axis"] == axes[0]:
                 fail(eqn, "accumulates along the batch axis")
             out_axes = [axes[0]]
         elif name == "dot_general":
-            out_axes = [_dot_axis(eqn, axes, constant_along, fail)]
+            out_axes = [dot_axis(eqn, axes, constant_along, fail)]
         elif name == "concatenate":
             marked = {a for a in axes if a is not None}
             if len(marked) != 1 or eqn.params["dimension"] in marked:
@@ -185,7 +186,7 @@ def batch_axes(jaxpr, in_axes: Sequence[int | None], batch: int) -> list[int | N
     return [axis(v) for v in jaxpr.outvars]
 
 
-def _dot_axis(eqn, axes, constant_along, fail):
+def dot_axis(eqn, axes, constant_along, fail):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
     la, ra = axes
