@@ -27,22 +27,23 @@ SUBSET ?= tests/test_api.py tests/test_rules.py tests/test_checkpoint.py tests/t
 
 venv: $(STAMP)
 
+# $(call make_venv,DIR,EXTRA): a venv at DIR with hifigrad[EXTRA] installed (editable), with
+# exactly the pinned packages of JAX=<release> when it is given.
+define make_venv
+@if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
+	echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
+$(PYTHON) -m venv $(1)
+$(1)/bin/python -m pip install -q --upgrade pip
+$(1)/bin/python -m pip install -q -e '.[$(2)]' $(if $(PINS),-c $(PINS))
+touch $(1)/.installed-stamp
+endef
+
 $(STAMP): pyproject.toml $(PINS)
-	@if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
-		echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test]' $(if $(PINS),-c $(PINS))
-	touch $(STAMP)
+	$(call make_venv,$(VENV),test)
 
 # The demo's venv: hifigrad and its `demo` extra only (not the test suite's frameworks).
 $(DEMO_STAMP): pyproject.toml $(PINS)
-	@if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
-		echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
-	$(PYTHON) -m venv $(DEMO_VENV)
-	$(DEMO_VENV)/bin/python -m pip install -q --upgrade pip
-	$(DEMO_VENV)/bin/python -m pip install -q -e '.[demo]' $(if $(PINS),-c $(PINS))
-	touch $(DEMO_STAMP)
+	$(call make_venv,$(DEMO_VENV),demo)
 
 demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/python -m hifigrad demo $(DEMO_ARGS)
