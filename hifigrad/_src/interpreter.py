@@ -202,12 +202,13 @@ def _reaches_through_matmul(eqns, producer, anc, var) -> bool:
 MIN_SKIP_CHAIN = 3
 
 
-def _count_skips(jaxpr) -> int:
-    """Skip connections closed in `jaxpr` and the jaxprs its equations hold."""
-    n = len(skip_connection_adds(jaxpr))
+def _count_skips(jaxpr, adds_of=skip_connection_adds) -> int:
+    """Skip connections closed in `jaxpr` and the jaxprs its equations hold (`adds_of`: how
+    each jaxpr's are found, e.g. an interpreter's cached `skip_connection_adds`)."""
+    n = len(adds_of(jaxpr))
     for eqn in jaxpr.eqns:
         for sub in compat.jaxprs_in_params(eqn.params):
-            n += _count_skips(compat.jaxpr_and_consts(sub)[0])
+            n += _count_skips(compat.jaxpr_and_consts(sub)[0], adds_of)
     return n
 
 
@@ -348,13 +349,16 @@ class Interpreter:
         """`skip_connection_adds` of `jaxpr`, cached for this interpreter; none at all when
         the whole program (the outermost jaxpr evaluated, sub-jaxprs included) closes fewer
         than `MIN_SKIP_CHAIN` skip connections."""
+        if "_chain" not in self.__dict__:  # the outermost program
+            self._chain = _count_skips(jaxpr, self._skip_adds_of) >= MIN_SKIP_CHAIN
+        return self._skip_adds_of(jaxpr) if self._chain else frozenset()
+
+    def _skip_adds_of(self, jaxpr) -> frozenset:
+        """`skip_connection_adds(jaxpr)`, computed once per jaxpr for this interpreter."""
         cache = self.__dict__.setdefault("_skip_cache", {})
         hit = cache.get(id(jaxpr))
         if hit is None:
-            if "_chain" not in self.__dict__:  # the outermost program
-                self._chain = _count_skips(jaxpr) >= MIN_SKIP_CHAIN
-            hit = cache[id(jaxpr)] = (jaxpr, skip_connection_adds(jaxpr) if self._chain
-                                      else frozenset())
+            hit = cache[id(jaxpr)] = (jaxpr, skip_connection_adds(jaxpr))
         return hit[1]
 
     def eval_closed(self, closed, args, flags):
