@@ -3,6 +3,7 @@ changed internal produces."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -204,3 +205,70 @@ def test_tested_range_matches_package_metadata():
     assert lo == compat.TESTED_JAX[0]
     assert compat._parse_version(compat.TESTED_JAX[-1]) < compat._parse_version(hi)
     assert compat._parse_version(hi)[:2] == (0, compat._parse_version(compat.TESTED_JAX[-1])[1] + 1)
+
+
+# ------------------------------------------------------------------------------ linear programs
+
+def _mixed(w, x, s):
+    h = jnp.tanh(x @ w) * s
+    return jnp.sum(h * h), h.mean(0)
+
+
+def _linearized(dtype):
+    w = jnp.linspace(-1, 1, 12).reshape(3, 4).astype(dtype)
+    x = jnp.linspace(0, 2, 6).reshape(2, 3).astype(dtype)
+    s = jnp.asarray(0.5, dtype)
+    args = (w, x, s)
+    outs, lin = jax.linearize(_mixed, *args)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    return args, outs, lin, avals
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linearized_jaxpr_is_read_on_this_release_and_computes_the_linear_map(dtype):
+    """The program `jax.linearize` built is read without tracing (None would silently fall back
+    to re-tracing it: slower, not wrong), and evaluates to what calling `lin` gives."""
+    args, _, lin, avals = _linearized(dtype)
+    jaxpr = compat.linearized_jaxpr(lin, avals)
+    assert jaxpr is not None, "jax.linearize's result changed form: update compat"
+    assert not jaxpr.constvars
+    res = jax.tree_util.tree_leaves(lin)
+    ts = [jnp.full(a.shape, 0.25, a.dtype) for a in args]
+    closed = compat.closed_jaxpr_from(jaxpr, [], [], jaxpr.invars, jaxpr.outvars, jaxpr.eqns)
+    got = compat.eval_closed_jaxpr(closed, [*res, *ts])
+    want = jax.tree_util.tree_leaves(lin(*ts))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_linearized_jaxpr_declines_what_it_cannot_read():
+    _, _, lin, avals = _linearized(jnp.float32)
+    assert compat.linearized_jaxpr(lin, avals[:2]) is None  # tangents that do not match
+    assert compat.linearized_jaxpr(lambda *t: t, avals) is None  # not jax.linearize's
+    # An output whose tangent is a known zero (it does not depend on the inputs).
+    _, lin0 = jax.linearize(lambda x: (x * 2, jnp.zeros(3)), jnp.ones(3))
+    assert compat.linearized_jaxpr(lin0, [jax.ShapeDtypeStruct((3,), jnp.float32)]) is None
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_transpose_jaxpr_is_linear_transpose(jit):
+    w = jnp.linspace(-1, 1, 12).reshape(3, 4)
+
+    def lin(r, t):  # linear in t; r is a known (non-linear) input
+        return [jnp.sin(r) @ (t * 2.0), jnp.sum(t)]
+
+    r = jnp.linspace(0, 1, 6).reshape(2, 3)
+    t_aval = jax.ShapeDtypeStruct(w.shape, w.dtype)
+    closed = jax.make_jaxpr(lin)(r, t_aval)
+    cts = [jnp.linspace(-2, 2, 8).reshape(2, 4), jnp.float32(3.0)]
+
+    def ours(r, cts):
+        return compat.transpose_jaxpr(closed, [r], cts)
+
+    def theirs(r, cts):
+        return list(jax.linear_transpose(lambda t: lin(r, t), t_aval)(cts))
+
+    f, g = (jax.jit(ours), jax.jit(theirs)) if jit else (ours, theirs)
+    (a,), (b,) = f(r, cts), g(r, cts)
+    np.testing.assert_array_equal(a, b)

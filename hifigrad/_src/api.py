@@ -4,13 +4,16 @@ How a backward pass is run in tangent precision:
 
 1. `jax.linearize` runs the forward exactly as written and returns the *linear* (JVP) program,
    whose leaves are the residuals the forward saved.
-2. That program is re-traced to a jaxpr (residuals and tangents as explicit inputs) and evaluated
-   by the promoting interpreter (`interpreter.py`, rules in `rules.py`): every tangent, and all
-   that derives from it, is held in the promoted dtype; residuals keep their dtype and are
-   up-cast (with a cast staged into the backward) where a tangent meets them.
-3. `jax.linear_transpose` of the promoted program is the backward. JAX builds every cotangent
-   accumulator from the promoted avals, so accumulators (a shared weight's gradient summed over
-   scan steps, which JAX starts from a literal zero) are full precision too.
+2. That program (read from what `jax.linearize` returns, `compat.linearized_jaxpr`; re-traced
+   when it cannot be) is promoted: every tangent, and all that derives from it, is held in the
+   promoted dtype; residuals keep their dtype and are up-cast (with a cast staged into the
+   backward) where a tangent meets them. `build.py` writes the promoted program as a jaxpr,
+   running the interpreter (`interpreter.py`, rules in `rules.py`) on the equations it does
+   not write itself; with ``_BUILD = False`` the interpreter's evaluation is traced instead.
+3. The transpose of the promoted program is the backward (`compat.transpose_jaxpr`, what
+   `jax.linear_transpose` runs). JAX builds every cotangent accumulator from the promoted
+   avals, so accumulators (a shared weight's gradient summed over scan steps, which JAX starts
+   from a literal zero) are full precision too.
 
 A user `custom_vjp` rule appears in the linear program as an opaque `custom_lin` equation that
 JAX only calls when transposing, i.e. after promotion; its rule is traced at the dtypes JAX
@@ -31,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial, tree_flatten, tree_unflatten
 
-from . import compat
+from . import build, compat
 from .dtypes import (
     check_primal_dtypes,
     check_tangent_dtype_enabled,
@@ -86,9 +89,12 @@ def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool
         return tree_unflatten(lin_tree, res)(*ts)
 
     tangent_avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in diff_vals]
-    # Refs the program creates are discharged: `linear_transpose` cannot transpose them.
-    lin_jaxpr, lin_consts, _ = compat.make_jaxpr_closed(lin_call, res, tangent_avals,
-                                                        discharge_refs=True)
+    # The program `jax.linearize` built, read as it is; re-traced when it cannot be (refs the
+    # program creates are then discharged: they cannot be transposed).
+    lin_jaxpr, lin_consts = compat.linearized_jaxpr(lin, tangent_avals), []
+    if lin_jaxpr is None:
+        lin_jaxpr, lin_consts, _ = compat.make_jaxpr_closed(lin_call, res, tangent_avals,
+                                                            discharge_refs=True)
     static = _Static(lin_jaxpr=lin_jaxpr, n_res=len(res), n_consts=len(lin_consts),
                      tangent_avals=tangent_avals,
                      out_avals=[jax.ShapeDtypeStruct(np.shape(o), _dtype_of(o)) for o in outs],
@@ -125,14 +131,14 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
 
 
 def _transposed(static: _Static, consts: list, res: list):
-    """The backward: `linear_transpose` of the promoted linear program, as a function of the
+    """The backward: the transpose of the promoted linear program, as a function of the
     kept (float) output cotangents."""
     policy = static.policy
     out_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.out_avals]
     in_up = [promoted_dtype(a.dtype, policy.tangent_dtype) for a in static.tangent_avals]
     keep = [_is_inexact(a.dtype) for a in static.out_avals]
 
-    def lin_promoted(*ts):
+    def promoted(consts, res, ts):
         interp = Interpreter(policy, static.table)
         outs, flags = interp.eval(static.lin_jaxpr, consts, [*res, *ts],
                                   [False] * static.n_res + [True] * len(ts))
@@ -140,12 +146,28 @@ def _transposed(static: _Static, consts: list, res: list):
                 np.dtype(o.dtype) != d else o for o, d, k in zip(outs, out_up, keep) if k]
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
-    transposed = jax.linear_transpose(lin_promoted, *in_avals)
     if policy.resolved_matmul() == "fast":
         from .fast import fast_matmul
 
-        transposed = fast_matmul(transposed, policy)
-    return transposed
+        transposed = jax.linear_transpose(lambda *ts: promoted(consts, res, ts), *in_avals)
+        return fast_matmul(transposed, policy)
+    # The promoted program is written as a jaxpr over (consts, residuals, tangents), by
+    # `build` (or traced through the interpreter), and transposed as a jaxpr: what
+    # `jax.linear_transpose` of it does, less tracing the program again.
+    if _BUILD:
+        closed = build.promoted_jaxpr(Interpreter(policy, static.table), static.lin_jaxpr,
+                                      static.n_res,
+                                      [d if k else None for d, k in zip(out_up, keep)])
+    else:
+        nc, nr = len(consts), len(res)
+        closed = jax.make_jaxpr(lambda *a: promoted(a[:nc], a[nc:nc + nr], a[nc + nr:]))(
+            *consts, *res, *in_avals)
+    return lambda cts: compat.transpose_jaxpr(closed, [*consts, *res], cts)
+
+
+# Whether `_transposed` writes the promoted program directly (`build.py`) instead of tracing
+# the interpreter's evaluation of it: the two give the same program (tests compare them).
+_BUILD = True
 
 
 # ------------------------------------------------------------------------------ program cache
@@ -645,9 +667,11 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
             return [jnp.asarray(o) for o in out_flat]
 
         # Values `fun` closes over (a caller's traced parameters) become explicit inputs, so
-        # that an outer jax.grad differentiates with respect to them too.
+        # that an outer jax.grad differentiates with respect to them too. When it closes over
+        # none, `fun` itself runs (replaying its traced program op by op costs more).
         converted, consts = jax.closure_convert(fun_flat, *flat)
-        out = _precise_call(converted, (policy, site_of(fun)), tuple(flat), tuple(consts))
+        out = _precise_call(converted if consts else fun_flat, (policy, site_of(fun)),
+                            tuple(flat), tuple(consts))
         return tree_unflatten(out_tree_box[-1], out)
 
     return wrapped

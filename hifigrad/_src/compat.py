@@ -320,27 +320,32 @@ _JAXPR_TYPES = tuple(t for t in (getattr(_core, "Jaxpr", None), getattr(_core, "
 def jaxprs_in_params(params: dict) -> list[Any]:
     """Every jaxpr an equation's params hold, searched through tuples, lists and dicts."""
     found: list = []
-
-    def visit(v):
+    for v in params.values():
         if isinstance(v, _JAXPR_TYPES):
             found.append(v)
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                visit(x)
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-
-    for v in params.values():
-        visit(v)
+        elif isinstance(v, (tuple, list, dict)):
+            _find_jaxprs(v, found)
     return found
+
+
+def _find_jaxprs(v, found: list) -> None:
+    for x in (v.values() if isinstance(v, dict) else v):
+        if isinstance(x, _JAXPR_TYPES):
+            found.append(x)
+        elif isinstance(x, (tuple, list, dict)):
+            _find_jaxprs(x, found)
 
 
 def abstract_eval(eqn, avals: Sequence[Any], params: dict) -> list[Any]:
     """The output avals of binding `eqn`'s primitive on `avals` with `params`, as the tracing
     machinery computes them (no equation is emitted). Raises what the primitive raises."""
-    out, _effects = eqn.primitive.abstract_eval(*avals, **eqn.primitive.get_bind_params(params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+    return abstract_eval_effects(eqn, avals, params)[0]
+
+
+def abstract_eval_effects(eqn, avals: Sequence[Any], params: dict) -> tuple[list[Any], Any]:
+    """`abstract_eval`, and the effects of the equation it describes."""
+    out, effects = eqn.primitive.abstract_eval(*avals, **eqn.primitive.get_bind_params(params))
+    return (list(out) if eqn.primitive.multiple_results else [out]), effects
 
 
 def hi_primitive_at(eqn, aval_fn: Callable[[Any], Any]):
@@ -603,3 +608,93 @@ def differentiable_primitives(defined_in: str | None = "jax") -> dict[str, Primi
             if defined_in is None or mod == defined_in or mod.startswith(defined_in + "."):
                 out.setdefault(prim.name, prim)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The linear program `jax.linearize` built, and transposing a jaxpr without re-tracing it
+# --------------------------------------------------------------------------------------------
+# JAX internals: `jax.linearize` returns ``Partial(partial(api._lift_linearized, jaxpr, in_avals,
+# out_avals, out_zeros), consts[, structured_residuals])`` (0.10 to 0.12), whose call evaluates
+# ``jaxpr`` on ``consts`` (its constvars) and ``*tangents, *structured_residual_leaves`` (its
+# invars). `jax.linear_transpose` traces its function to a jaxpr and calls
+# ``ad.backward_pass(jaxpr, True, consts, [UndefinedPrimal(aval), ...], cts)``. Reading the
+# first and calling the second directly saves re-tracing the linear program twice.
+
+from jax._src import api as _api  # noqa: E402
+
+
+def linearized_jaxpr(lin, tangent_avals: Sequence[Any]):
+    """The linear program of ``jax.linearize``'s function `lin`, as an open jaxpr whose invars
+    are ``[*tree_leaves(lin), *tangents]`` (the order of re-tracing it as ``lin_call(res, ts)``),
+    read from `lin` without tracing; or None when `lin` is not in the form this JAX release is
+    known to build (then the caller re-traces it). Also None when the program holds mutable
+    refs (they must be discharged by a trace) or an output's tangent is a known zero."""
+    func = getattr(lin, "func", None)
+    func = getattr(func, "fun", func)  # `Partial` wraps a partial in a hashable shim
+    lift = getattr(_api, "_lift_linearized", None)
+    if not isinstance(func, functools.partial) or lift is None or func.func is not lift \
+            or len(func.args) != 4 or func.keywords:
+        return None
+    jaxpr, _, _, out_zeros = func.args
+    if not isinstance(jaxpr, _JAXPR_TYPES) or any(bool(z) for z in out_zeros):
+        return None
+    jaxpr, consts = jaxpr_and_consts(jaxpr)
+    args = getattr(lin, "args", ())
+    if consts or not args or getattr(lin, "keywords", None):
+        return None
+    const_vals, rest = list(args[0]), list(args[1:])
+    rest_leaves = jax.tree_util.tree_leaves(rest)
+    n_t, n_c = len(tangent_avals), len(const_vals)
+    # 0.10's jaxpr declares the consts as constvars; 0.11+'s as leading invars (a jaxpr's
+    # constvars are those with attached values, and this one has none).
+    all_in = [*jaxpr.constvars, *jaxpr.invars]
+    if (len(jax.tree_util.tree_leaves(const_vals)) != n_c
+            or len(all_in) != n_c + n_t + len(rest_leaves)):
+        return None
+    tangents = all_in[n_c:n_c + n_t]
+    for v, a in zip(tangents, tangent_avals):
+        if tuple(v.aval.shape) != tuple(a.shape) or np.dtype(v.aval.dtype) != np.dtype(a.dtype):
+            return None
+    if _uses_refs(jaxpr):
+        return None
+    return jaxpr.replace(constvars=[], invars=[*all_in[:n_c], *all_in[n_c + n_t:], *tangents])
+
+
+def transpose_jaxpr(closed, known: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+    """The transpose of the closed jaxpr `closed`, linear in its invars after the first
+    ``len(known)`` (which take the values `known`), applied to the output cotangents `cts`:
+    what `jax.linear_transpose` of ``jaxpr_as_fun(closed)`` computes, without tracing the
+    jaxpr again. Returns the cotangents of the linear invars (zeros instantiated)."""
+    jaxpr, consts = jaxpr_and_consts(closed)
+    jaxpr, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), True)
+    n = len(known)
+    dummies = [_ad.UndefinedPrimal(v.aval.to_ct_aval()) for v in jaxpr.invars[n:]]
+    in_cts = _ad.backward_pass(jaxpr, True, consts, [*known, *dummies], list(cts))
+    return [_ad.instantiate_zeros(c) for c in in_cts[n:]]
+
+
+# --------------------------------------------------------------------------------------------
+# Writing a jaxpr directly (`build.py`)
+# --------------------------------------------------------------------------------------------
+
+def new_var(aval):
+    """A fresh jaxpr variable of type `aval` (`jax.extend.core.Var`, one argument since 0.10)."""
+    return jax.extend.core.Var(aval)
+
+
+def new_literal(val):
+    """A jaxpr literal holding the NumPy value `val`, typed as tracing would type it."""
+    return jax.extend.core.Literal(val, aval_of(val))
+
+
+def closed_jaxpr_from(template, constvars, consts, invars, outvars, eqns):
+    """A closed jaxpr with these variables, equations and constants (`template`: an open
+    jaxpr whose debug info is kept, its names dropped). 0.10 wraps an open jaxpr in a
+    `ClosedJaxpr`; 0.11+ attaches the constants to the `Jaxpr`."""
+    effects = _core.join_effects(*(e.effects for e in eqns))
+    kw = dict(constvars=list(constvars), invars=list(invars), outvars=list(outvars),
+              eqns=list(eqns), effects=effects)
+    closed_type = getattr(_core, "ClosedJaxpr", None)
+    if isinstance(closed_type, type) and not hasattr(template, "consts"):
+        return closed_type(template.replace(**kw), list(consts))
+    return template.replace(**kw, consts=list(consts))

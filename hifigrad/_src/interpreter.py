@@ -323,19 +323,8 @@ class Interpreter:
         for i, eqn in enumerate(jaxpr.eqns):
             invals, inflags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
             invals, inflags = list(invals), list(inflags)
-            prim = eqn.primitive
-            if any(inflags) or prim in table.always:
-                rule = table.rules.get(prim, table.default)
-                if rule is None:
-                    if not any(inflags):
-                        outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
-                    else:
-                        outs, oflags = self.unsupported(eqn, invals, inflags, "no rule names it")
-                else:
-                    # Casts a rule stages run in the equation's context (its mesh, compute
-                    # type), like the equation itself.
-                    with compat.eqn_ctx(eqn):
-                        outs, oflags = rule(self, eqn, invals, inflags)
+            if any(inflags) or eqn.primitive in table.always:
+                outs, oflags = self.eval_eqn(eqn, invals, inflags)
             else:
                 outs, oflags = compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
             if i in skips and all(inflags) and all(oflags):
@@ -344,6 +333,19 @@ class Interpreter:
                 write(v, o, f)
         outs = [read(v) for v in jaxpr.outvars]
         return [o for o, _ in outs], [f for _, f in outs]
+
+    def eval_eqn(self, eqn, invals, inflags):
+        """Evaluates one equation by its rule (`inflags` mark promoted inputs). Returns
+        `(outs, out_flags)`."""
+        rule = self.table.rules.get(eqn.primitive, self.table.default)
+        if rule is None:
+            if not any(inflags):
+                return compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
+            return self.unsupported(eqn, invals, inflags, "no rule names it")
+        # Casts a rule stages run in the equation's context (its mesh, compute type), like the
+        # equation itself.
+        with compat.eqn_ctx(eqn):
+            return rule(self, eqn, invals, inflags)
 
     def _skip_adds(self, jaxpr) -> frozenset:
         """`skip_connection_adds` of `jaxpr`, cached for this interpreter; none at all when

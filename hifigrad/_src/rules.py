@@ -409,9 +409,9 @@ def _promoted_aval(interp, aval):
     return aval
 
 
-# `_why_not_promotable`'s answers, keyed by everything they depend on (primitive, promoted input
-# avals with their weak types and shardings, output avals, params, tangent dtype), least recently
-# used first. An equation whose params cannot be hashed is never cached.
+# Promotion's evidence (`promotion`), keyed by everything it depends on (primitive, input avals
+# with their weak types and shardings, output avals, params, tangent dtype), least recently used
+# first. An equation whose params cannot be hashed is never cached.
 _PROMOTABLE_CACHE: collections.OrderedDict = collections.OrderedDict()
 _PROMOTABLE_CACHE_SIZE = 4096
 
@@ -419,20 +419,20 @@ _PROMOTABLE_CACHE_SIZE = 4096
 def _promotable_key(interp: Interpreter, eqn, avals, params):
     try:
         key = (eqn.primitive, np.dtype(interp.policy.tangent_dtype), tuple(avals),
-               tuple(v.aval for v in eqn.outvars), tuple(sorted(params.items())))
+               tuple(v.aval for v in eqn.outvars), tuple(params.items()))
         hash(key)
     except TypeError:  # unhashable params (arrays, lists): decided every time
         return None
     return key
 
 
-def _why_not_promotable(interp: Interpreter, eqn, invals, params) -> str | None:
-    """None when binding `eqn` at promoted input avals (and promoted dtype params) is shown exact
-    by its abstract evaluation: it succeeds and gives every float output the promoted dtype of
-    the original output (and every other output its original dtype). Otherwise, why not.
-    Answers are cached (`_PROMOTABLE_CACHE`): they depend only on the primitive, the avals and
-    the params."""
-    avals = [_promoted_aval(interp, compat.aval_of(x)) for x in invals]
+def promotion(interp: Interpreter, eqn, avals, params):
+    """Whether binding `eqn` with every float input promoted (its inputs' avals are `avals`,
+    promoted or not) and with `params` is shown exact by its abstract evaluation: it succeeds
+    and gives every float output the promoted dtype of the original output (and every other
+    output its original dtype). Returns ``(None, out_avals, effects)`` when it is, else
+    ``(why not, None, None)``. Answers are cached (`_PROMOTABLE_CACHE`): they depend only on
+    the primitive, the avals and the params."""
     key = _promotable_key(interp, eqn, avals, params)
     if key is not None:
         try:
@@ -441,26 +441,32 @@ def _why_not_promotable(interp: Interpreter, eqn, invals, params) -> str | None:
             hit = None
         else:
             _PROMOTABLE_CACHE.move_to_end(key)
-            return hit[0]
-    why = _why_not_promotable_uncached(interp, eqn, avals, params)
+            return hit
+    hit = _promotion_uncached(interp, eqn, [_promoted_aval(interp, a) for a in avals], params)
     if key is not None:
-        _PROMOTABLE_CACHE[key] = (why,)
+        _PROMOTABLE_CACHE[key] = hit
         if len(_PROMOTABLE_CACHE) > _PROMOTABLE_CACHE_SIZE:
             _PROMOTABLE_CACHE.popitem(last=False)
-    return why
+    return hit
 
 
-def _why_not_promotable_uncached(interp: Interpreter, eqn, avals, params) -> str | None:
+def _why_not_promotable(interp: Interpreter, eqn, invals, params) -> str | None:
+    """None when `eqn` can run promoted on `invals` with `params` (see `promotion`), else
+    why not."""
+    return promotion(interp, eqn, [compat.aval_of(x) for x in invals], params)[0]
+
+
+def _promotion_uncached(interp: Interpreter, eqn, avals, params):
     try:
-        out_avals = compat.abstract_eval(eqn, avals, params)
+        out_avals, effects = compat.abstract_eval_effects(eqn, avals, params)
     except Exception as e:  # noqa: BLE001 - any failure is evidence against promotion
-        return f"its abstract evaluation at promoted dtypes raises {type(e).__name__}"
+        return f"its abstract evaluation at promoted dtypes raises {type(e).__name__}", None, None
     for v, a in zip(eqn.outvars, out_avals):
         want = _promoted_aval(interp, v.aval)
         if np.dtype(a.dtype) != np.dtype(want.dtype) or tuple(a.shape) != tuple(want.shape):
             return (f"at promoted inputs it returns {a.dtype}{list(a.shape)} where "
-                    f"{want.dtype}{list(want.shape)} is needed")
-    return None
+                    f"{want.dtype}{list(want.shape)} is needed"), None, None
+    return None, tuple(out_avals), effects
 
 
 def _call_like_jaxpr(eqn):
