@@ -186,7 +186,7 @@ def paired_step(layout: str, n: int, reps: int = 20) -> dict:
                 ratio=best["hg.grad"] / best["jax.grad"])
 
 
-def trace_times(n: int, reps: int = 3) -> dict:
+def trace_times(n: int, reps: int = 5) -> dict:
     """Trace time alone (no compile) of both methods at unrolled depth `n`, alternated in one
     process, fastest of `reps` each."""
     import jax
@@ -329,7 +329,7 @@ def report(rows, env, paired=(), extra=None) -> str:
                             for p in paired]), ""]
     extra = extra or {}
     if extra.get("trace"):
-        lines += ["## Trace time alone (both in one process, alternated, fastest of 3)", ""]
+        lines += ["## Trace time alone (both in one process, alternated, fastest of 5)", ""]
         lines += [md_table(["N", "jax.grad s", "hg.grad s", "hg / jax"],
                            [[t["n"], f(t.get("jax.grad trace_s"), ".2f"),
                              f(t.get("hg.grad trace_s"), ".2f"), f(t.get("ratio"), ".2f")]

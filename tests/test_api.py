@@ -365,6 +365,59 @@ def test_precise_backward_inside_hg_grad_is_full_precision():
     np.testing.assert_array_equal(g_nested, g_plain)
 
 
+def _closing_over(how):
+    """A loss of `p` whose precise_backward-wrapped part closes over `p` (a value jax.grad is
+    differentiating), and the same loss without the wrapper."""
+    x = jnp.linspace(-1, 1, 6).astype(jnp.bfloat16)
+
+    def inner(p, x):
+        if how == "returned":  # the closed-over tracer leaves untouched
+            return jnp.sum(jnp.tanh(x).astype(jnp.float32)), p
+        return jnp.sum((jnp.tanh(x * p.astype(jnp.bfloat16)) ** 2).astype(jnp.float32)), p * 0
+
+    def loss(p, wrap):
+        f = (lambda x: inner(p, x))
+        a, b = (hg.precise_backward(f) if wrap else f)(x)
+        return a + 3 * b
+
+    return loss
+
+
+@pytest.mark.parametrize("how", ["used", "returned"])
+def test_precise_backward_differentiates_values_it_closes_over(how, maybe_jit):
+    """Eagerly, precise_backward runs the function as it is and falls back to converting its
+    closure when a closed-over value is being differentiated; either way that value's gradient
+    is the one hg.grad gives without the wrapper (the same float32 backward of the same bf16
+    forward: equal up to float32 rounding)."""
+    loss = _closing_over(how)
+    p = jnp.float32(0.75)
+    got = maybe_jit(jax.grad(lambda p: loss(p, True)))(p)
+    want = hg.grad(lambda p: loss(p, False))(p)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=4 * float(jnp.finfo(jnp.float32).eps))
+    # Under vmap (nothing eager): the closure is converted, as always.
+    ps = jnp.asarray([0.5, 0.75], jnp.float32)
+    np.testing.assert_allclose(jax.vmap(jax.grad(lambda p: loss(p, True)))(ps),
+                               jax.vmap(hg.grad(lambda p: loss(p, False)))(ps),
+                               rtol=4 * float(jnp.finfo(jnp.float32).eps))
+
+
+def test_precise_backward_converts_closures_only_when_it_must(monkeypatch):
+    """Eager calls under jax.grad run the function itself (converting its closure replays its
+    program op by op); traced calls convert it."""
+    calls = []
+    convert = jax.closure_convert
+    monkeypatch.setattr(jax, "closure_convert", lambda *a: calls.append(1) or convert(*a))
+    f = hg.precise_backward(lambda w, x: jnp.sum(jnp.tanh(x * w.astype(jnp.bfloat16))
+                                                 .astype(jnp.float32)))
+    w, x = jnp.float32(0.5), jnp.linspace(-1, 1, 4).astype(jnp.bfloat16)
+    g_eager = jax.grad(f)(w, x)
+    assert calls == []
+    g_jit = jax.jit(jax.grad(f))(w, x)
+    assert calls
+    np.testing.assert_array_equal(g_eager, g_jit)
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -146,11 +146,6 @@ def _transposed(static: _Static, consts: list, res: list):
                 np.dtype(o.dtype) != d else o for o, d, k in zip(outs, out_up, keep) if k]
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
-    if policy.resolved_matmul() == "fast":
-        from .fast import fast_matmul
-
-        transposed = jax.linear_transpose(lambda *ts: promoted(consts, res, ts), *in_avals)
-        return fast_matmul(transposed, policy)
     # The promoted program is written as a jaxpr over (consts, residuals, tangents), by
     # `build` (or traced through the interpreter), and transposed as a jaxpr: what
     # `jax.linear_transpose` of it does, less tracing the program again.
@@ -162,7 +157,15 @@ def _transposed(static: _Static, consts: list, res: list):
         nc, nr = len(consts), len(res)
         closed = jax.make_jaxpr(lambda *a: promoted(a[:nc], a[nc:nc + nr], a[nc + nr:]))(
             *consts, *res, *in_avals)
-    return lambda cts: compat.transpose_jaxpr(closed, [*consts, *res], cts)
+
+    def transposed(cts):
+        return compat.transpose_jaxpr(closed, [*consts, *res], cts)
+
+    if policy.resolved_matmul() == "fast":
+        from .fast import fast_matmul
+
+        return fast_matmul(transposed, policy)
+    return transposed
 
 
 # Whether `_transposed` writes the promoted program directly (`build.py`) instead of tracing
@@ -666,12 +669,24 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
             out_tree_box.append(out_tree)
             return [jnp.asarray(o) for o in out_flat]
 
-        # Values `fun` closes over (a caller's traced parameters) become explicit inputs, so
-        # that an outer jax.grad differentiates with respect to them too. When it closes over
-        # none, `fun` itself runs (replaying its traced program op by op costs more).
-        converted, consts = jax.closure_convert(fun_flat, *flat)
-        out = _precise_call(converted if consts else fun_flat, (policy, site_of(fun)),
-                            tuple(flat), tuple(consts))
+        # Eagerly (under differentiation only), `fun` itself runs, unless it closes over a
+        # value an enclosing transformation is differentiating: that value meets the eager
+        # forward as a tracer of another trace, and JAX raises UnexpectedTracerError (or
+        # `_precise_fwd` finds it among its outputs and residuals). Then, and whenever
+        # anything is staged or batched, the values `fun` closes
+        # over (a caller's traced parameters) become explicit inputs (`jax.closure_convert`),
+        # so that the outer transformation differentiates them too. (Converting every eager
+        # call would replay `fun`'s traced program op by op, at about twice the cost.)
+        site = site_of(fun)
+        out = None
+        if compat.eager_under_differentiation():
+            try:
+                out = _precise_call(fun_flat, (policy, site, True), tuple(flat), ())
+            except (jax.errors.UnexpectedTracerError, _NeedsConversion):
+                out = None
+        if out is None:
+            converted, consts = jax.closure_convert(fun_flat, *flat)
+            out = _precise_call(converted, (policy, site, False), tuple(flat), tuple(consts))
         return tree_unflatten(out_tree_box[-1], out)
 
     return wrapped
@@ -682,9 +697,22 @@ def _precise_call(fun_flat, policy_site, args, consts):
     return fun_flat(*args, *consts)
 
 
+class _NeedsConversion(Exception):
+    """`precise_backward`'s unconverted forward cannot show that its function closes over no
+    differentiated value: the wrapper converts the function's closure and runs again."""
+
+
 def _precise_fwd(fun_flat, policy_site, args, consts):
-    policy, site = policy_site
-    return _vjp(lambda a, c: fun_flat(*a, *c), (args, consts), False, policy, PROMOTE, site=site)
+    policy, site, verify = policy_site
+    # Only an eager forward shows a closed-over tracer (as an error or an escaped value); a
+    # traced one could capture it as a constant.
+    if verify and not compat.tracing_eagerly():
+        raise _NeedsConversion
+    out, vjp_fn = _vjp(lambda a, c: fun_flat(*a, *c), (args, consts), False, policy, PROMOTE,
+                       site=site)
+    if verify and compat.foreign_tracer(jax.tree_util.tree_leaves((out, vjp_fn))) is not None:
+        raise _NeedsConversion
+    return out, vjp_fn
 
 
 def _precise_bwd(fun_flat, policy_site, vjp_fn, cts):

@@ -698,3 +698,33 @@ def closed_jaxpr_from(template, constvars, consts, invars, outvars, eqns):
     if isinstance(closed_type, type) and not hasattr(template, "consts"):
         return closed_type(template.replace(**kw), list(consts))
     return template.replace(**kw, consts=list(consts))
+
+
+def foreign_tracer(xs):
+    """The first of `xs` that is a tracer of a trace other than the current one (a value a
+    function closed over from an enclosing transformation, escaped into a result), or None."""
+    current = jax.extend.core.find_top_trace(())
+    for x in xs:
+        if isinstance(x, jax.core.Tracer) and getattr(x, "_trace", current) is not current:
+            return x
+    return None
+
+
+def tracing_eagerly() -> bool:
+    """Whether the current trace evaluates eagerly (JAX's `EvalTrace`: no transformation or
+    staging is active), where a tracer of any other trace in an operation is an error."""
+    return isinstance(jax.extend.core.find_top_trace(()), _core.EvalTrace)
+
+
+_DIFF_TRACES = tuple(t for t in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None))
+                     if isinstance(t, type))
+
+
+def eager_under_differentiation() -> bool:
+    """Whether every active trace is a differentiation trace (JVP, linearize) over eager
+    evaluation: nothing is being staged or batched, so a value of one of those traces used
+    where another trace runs raises UnexpectedTracerError instead of being captured."""
+    t = jax.extend.core.find_top_trace(())
+    while isinstance(t, _DIFF_TRACES):
+        t = getattr(t, "parent_trace", None)
+    return isinstance(t, _core.EvalTrace)
