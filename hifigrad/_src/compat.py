@@ -716,8 +716,8 @@ def tracing_eagerly() -> bool:
     return isinstance(jax.extend.core.find_top_trace(()), _core.EvalTrace)
 
 
-_DIFF_TRACES = tuple(t for t in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None))
-                     if isinstance(t, type))
+_DIFF_TRACES = tuple(t for t in (getattr(_ad, "JVPTrace", None),
+                                 getattr(_ad, "LinearizeTrace", None)) if isinstance(t, type))
 
 
 def eager_under_differentiation() -> bool:
