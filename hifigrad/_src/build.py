@@ -46,6 +46,18 @@ from .rules import (
 
 __all__ = ["promoted_jaxpr"]
 
+_Literal = jax.extend.core.Literal
+_FLOAT_DTYPES: dict = {}
+
+
+def _floating(aval) -> bool:
+    """`rules._floating_aval`, memoized per dtype."""
+    dt = getattr(aval, "dtype", None)
+    hit = _FLOAT_DTYPES.get(dt)
+    if hit is None:
+        hit = _FLOAT_DTYPES[dt] = _floating_aval(aval)
+    return hit
+
 
 def promoted_jaxpr(interp: Interpreter, jaxpr, n_known: int, out_dtypes):
     """The promoted program of the open jaxpr `jaxpr` (its constvars and first `n_known` invars
@@ -69,7 +81,7 @@ def promoted_jaxpr(interp: Interpreter, jaxpr, n_known: int, out_dtypes):
 
 
 def _promoted(interp, aval):
-    if _floating_aval(aval):
+    if _floating(aval):
         return aval.update(dtype=interp.up(aval.dtype), weak_type=False)
     return aval
 
@@ -89,39 +101,47 @@ class _Builder:
         `fresh`: give every output a new variable (a jaxpr emitted more than once, like a
         shared jit body); else the jaxpr's own variables are reused. Returns (atoms, flags)."""
         interp, table = self.interp, self.interp.table
+        rules, default, always = table.rules, table.default, table.always
         env: dict = {}
 
         def read(v):
-            return (v, False) if compat.is_literal(v) else env[v]
+            return (v, False) if type(v) is _Literal else env[v]
 
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
         for v, a, f in zip(jaxpr.invars, args, flags):
-            env[v] = (a, bool(f) and _is_float_aval(v.aval))
+            env[v] = (a, bool(f) and _floating(v.aval))
         skips = interp._skip_adds(jaxpr)  # noqa: SLF001
         for i, eqn in enumerate(jaxpr.eqns):
-            ins = [read(v) for v in eqn.invars]
-            atoms, inflags = [a for a, _ in ins], [f for _, f in ins]
-            if not any(inflags) and eqn.primitive not in table.always:
-                outs = self._emit_as_is(eqn, atoms, fresh)
-                oflags = [False] * len(outs)
-            else:
-                rule = table.rules.get(eqn.primitive, table.default)
-                handler = _HANDLERS.get(rule)
-                res = None
-                if handler is not None:
-                    # Abstract evaluation sees the equation's context (its mesh, ...), as the
-                    # interpreter's rules do.
-                    with compat.eqn_ctx(eqn):
-                        res = handler(self, eqn, atoms, inflags)
-                if res is None:  # the interpreter's rule, traced on its own
-                    res = self._traced_eqn(eqn, atoms, inflags)
-                outs, oflags = res
+            atoms, inflags, promoted = [], [], False
+            for v in eqn.invars:
+                if type(v) is _Literal:
+                    atoms.append(v)
+                    inflags.append(False)
+                else:
+                    a, f = env[v]
+                    atoms.append(a)
+                    inflags.append(f)
+                    promoted = promoted or f
+            if not promoted and eqn.primitive not in always:
+                for v, o in zip(eqn.outvars, self._emit_as_is(eqn, atoms, fresh)):
+                    env[v] = (o, False)
+                continue
+            rule = rules.get(eqn.primitive, default)
+            handler = _HANDLERS.get(rule)
+            res = None
+            if handler is not None:
+                # Abstract evaluation sees the equation's context (its mesh, ...), as the
+                # interpreter's rules do.
+                with compat.eqn_ctx(eqn):
+                    res = handler(self, eqn, atoms, inflags)
+            if res is None:  # the interpreter's rule, traced on its own
+                res = self._traced_eqn(eqn, atoms, inflags)
+            outs, oflags = res
             if i in skips and all(inflags) and all(oflags):
                 outs = [self._materialize(o) for o in outs]
             for v, o, f in zip(eqn.outvars, outs, oflags):
-                if not compat.is_dropvar(v):
-                    env[v] = (o, bool(f) and _is_float_aval(v.aval))
+                env[v] = (o, bool(f) and _floating(v.aval))
         got = [read(v) for v in jaxpr.outvars]
         return [a for a, _ in got], [f for _, f in got]
 
@@ -228,14 +248,14 @@ def _promote(b: _Builder, eqn, atoms, inflags, params):
     why, out_avals, effects = promotion(interp, eqn, avals, params)
     if why is not None or effects:
         return None
-    args = [b.cast_up(a, eqn, f) if _floating_aval(av) else a
+    args = [b.cast_up(a, eqn, f) if _floating(av) else a
             for a, f, av in zip(atoms, inflags, avals)]
     return b.emit(eqn, args, params, out_avals, effects), [True] * len(out_avals)
 
 
 def _default(b: _Builder, eqn, atoms, inflags):
     if compat.jaxprs_in_params(eqn.params) or any(
-            compat.is_ref_or_extended(v.aval) for v in eqn.invars):
+            not _floating(v.aval) and compat.is_ref_or_extended(v.aval) for v in eqn.invars):
         return None
     return _promote(b, eqn, atoms, inflags, _promote_params(b.interp, eqn.params))
 
@@ -255,7 +275,7 @@ def _matmul(b: _Builder, eqn, atoms, inflags):
 
 def _convert(b: _Builder, eqn, atoms, inflags):
     (x,), new_dtype = atoms, np.dtype(eqn.params["new_dtype"])
-    if compat.is_literal(x) or not _floating_aval(eqn.outvars[0].aval):
+    if compat.is_literal(x) or not _floating(eqn.outvars[0].aval):
         return None
     target = b.interp.up(new_dtype)
     if np.dtype(x.aval.dtype) == target:
