@@ -244,7 +244,7 @@ class _Builder:
 def _promote(b: _Builder, eqn, atoms, inflags, params):
     """`promote_rule`: every float input promoted, params promoted, outputs promoted."""
     interp = b.interp
-    avals = [compat.aval_of(a.val) if compat.is_literal(a) else a.aval for a in atoms]
+    avals = [compat.aval_of(a.val) if type(a) is _Literal else a.aval for a in atoms]
     why, out_avals, effects = promotion(interp, eqn, avals, params)
     if why is not None or effects:
         return None

@@ -249,6 +249,7 @@ class Interpreter:
         self.policy = policy
         self.table = table
         self._flag_cache: dict = {}
+        self._up: dict = {}  # dtype -> its promoted dtype
         self._frames: list = []  # (jaxpr, env) of the jaxprs being evaluated, innermost last
 
     def lookup(self, var):
@@ -268,7 +269,10 @@ class Interpreter:
 
     # ---------------------------------------------------------------- dtypes
     def up(self, dtype):
-        return promoted_dtype(np.dtype(dtype), self.policy.tangent_dtype)
+        hit = self._up.get(dtype)
+        if hit is None:
+            hit = self._up[dtype] = promoted_dtype(np.dtype(dtype), self.policy.tangent_dtype)
+        return hit
 
     def cast_up(self, x, flagged: bool = False):
         """`x` in its promoted dtype. Unpromoted values (residuals) use the staged `upcast`."""
