@@ -188,18 +188,32 @@ def paired_step(layout: str, n: int, reps: int = 20) -> dict:
 
 def trace_times(n: int, reps: int = 5) -> dict:
     """Trace time alone (no compile) of both methods at unrolled depth `n`, alternated in one
-    process, fastest of `reps` each."""
+    process, fastest of `reps` each. Each trace starts after a full garbage collection (so
+    neither pays for the other's garbage) and runs with the collector on, as a user's does;
+    the same traces with the collector off (as `timeit` times) are reported too."""
+    import gc
+
     import jax
 
     best = {m: math.inf for m in METHODS}
+    best_nogc = {m: math.inf for m in METHODS}
     for _ in range(reps):
         for m in METHODS:
-            g, args = build(m, "unrolled", n)
-            s = time.perf_counter()
-            jax.jit(g).trace(*args)
-            best[m] = min(best[m], time.perf_counter() - s)
+            for table, collect in ((best, True), (best_nogc, False)):
+                g, args = build(m, "unrolled", n)
+                gc.collect()
+                if not collect:
+                    gc.disable()
+                try:
+                    s = time.perf_counter()
+                    jax.jit(g).trace(*args)
+                    table[m] = min(table[m], time.perf_counter() - s)
+                finally:
+                    gc.enable()
     return dict(n=n, **{f"{m} trace_s": t for m, t in best.items()},
-                ratio=best["hg.grad"] / best["jax.grad"])
+                ratio=best["hg.grad"] / best["jax.grad"],
+                **{f"{m} trace_s no gc": t for m, t in best_nogc.items()},
+                ratio_no_gc=best_nogc["hg.grad"] / best_nogc["jax.grad"])
 
 
 def eager_times(n: int, reps: int = 10) -> list[dict]:
@@ -329,11 +343,17 @@ def report(rows, env, paired=(), extra=None) -> str:
                             for p in paired]), ""]
     extra = extra or {}
     if extra.get("trace"):
-        lines += ["## Trace time alone (both in one process, alternated, fastest of 5)", ""]
-        lines += [md_table(["N", "jax.grad s", "hg.grad s", "hg / jax"],
+        lines += ["## Trace time alone (both in one process, alternated, fastest of 5; each "
+                  "after a full garbage collection, with the collector on, and off as `timeit` "
+                  "times)", ""]
+        lines += [md_table(["N", "jax.grad s", "hg.grad s", "hg / jax",
+                            "jax.grad s, gc off", "hg.grad s, gc off", "hg / jax, gc off"],
                            [[t["n"], f(t.get("jax.grad trace_s"), ".2f"),
-                             f(t.get("hg.grad trace_s"), ".2f"), f(t.get("ratio"), ".2f")]
-                            if "error" not in t else [t["n"], t["error"], "", ""]
+                             f(t.get("hg.grad trace_s"), ".2f"), f(t.get("ratio"), ".2f"),
+                             f(t.get("jax.grad trace_s no gc"), ".2f"),
+                             f(t.get("hg.grad trace_s no gc"), ".2f"),
+                             f(t.get("ratio_no_gc"), ".2f")]
+                            if "error" not in t else [t["n"], t["error"], "", "", "", "", ""]
                             for t in extra["trace"]]), ""]
     if extra.get("eager"):
         lines += ["## Later eager calls (un-jitted; alternated, fastest of 10)", ""]

@@ -63,6 +63,8 @@ def _dtype_of(x):
     dt = getattr(x, "dtype", None)
     if dt is not None and is_extended(dt):
         return dt  # a typed PRNG key: no NumPy dtype
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):  # an array's dtype is its own
+        return np.dtype(dt)
     return np.dtype(jnp.result_type(x))
 
 
