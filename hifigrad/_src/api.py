@@ -63,7 +63,7 @@ def _dtype_of(x):
     dt = getattr(x, "dtype", None)
     if dt is not None and is_extended(dt):
         return dt  # a typed PRNG key: no NumPy dtype
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):  # an array's dtype is its own
+    if isinstance(x, jax.Array):  # a JAX array's (or tracer's) dtype is canonical already
         return np.dtype(dt)
     return np.dtype(jnp.result_type(x))
 
