@@ -148,21 +148,24 @@ def _transposed(static: _Static, consts: list, res: list):
                 np.dtype(o.dtype) != d else o for o, d, k in zip(outs, out_up, keep) if k]
 
     in_avals = [jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(static.tangent_avals, in_up)]
-    # The promoted program is written as a jaxpr over (consts, residuals, tangents), by
-    # `build` (or traced through the interpreter), and transposed as a jaxpr: what
-    # `jax.linear_transpose` of it does, less tracing the program again.
-    if _BUILD:
+    known = [*consts, *res]
+    if not _BUILD:  # the interpreter's evaluation, traced by `jax.linear_transpose`
+        transposed = jax.linear_transpose(lambda *ts: promoted(consts, res, ts), *in_avals)
+    else:
+        # The promoted program, written as a jaxpr over (consts, residuals, tangents), is
+        # transposed by JAX's backward pass directly: what `jax.linear_transpose` of it does,
+        # less tracing it again. A linear loop, conditional or checkpoint in it needs the
+        # partial evaluation that trace does first (their transpose rules take a body split
+        # into its known and linear parts), so such a program goes through it.
         closed = build.promoted_jaxpr(Interpreter(policy, static.table), static.lin_jaxpr,
                                       static.n_res,
                                       [d if k else None for d, k in zip(out_up, keep)])
-    else:
-        nc, nr = len(consts), len(res)
-        closed = jax.make_jaxpr(lambda *a: promoted(a[:nc], a[nc:nc + nr], a[nc + nr:]))(
-            *consts, *res, *in_avals)
-
-    def transposed(cts):
-        return compat.transpose_jaxpr(closed, [*consts, *res], cts)
-
+        if compat.transposable_as_is(closed, len(known)):
+            def transposed(cts):
+                return compat.transpose_jaxpr(closed, known, cts)
+        else:
+            transposed = jax.linear_transpose(
+                lambda *ts: compat.eval_closed_jaxpr(closed, [*known, *ts]), *in_avals)
     if policy.resolved_matmul() == "fast":
         from .fast import fast_matmul
 
@@ -170,8 +173,9 @@ def _transposed(static: _Static, consts: list, res: list):
     return transposed
 
 
-# Whether `_transposed` writes the promoted program directly (`build.py`) instead of tracing
-# the interpreter's evaluation of it: the two give the same program (tests compare them).
+# Whether `_transposed` writes the promoted program directly (`build.py`) and transposes it as
+# a jaxpr, instead of tracing the interpreter's evaluation of it under `jax.linear_transpose`:
+# the two give the same gradients (tests compare them).
 _BUILD = True
 
 

@@ -728,3 +728,20 @@ def eager_under_differentiation() -> bool:
     while isinstance(t, _DIFF_TRACES):
         t = getattr(t, "parent_trace", None)
     return isinstance(t, _core.EvalTrace)
+
+
+def transposable_as_is(closed, n_known: int) -> bool:
+    """Whether `transpose_jaxpr` can transpose `closed` (linear in its invars after the first
+    `n_known`) without the partial evaluation `jax.linear_transpose`'s trace does first: no
+    equation that takes a linear value holds a sub-program, except a jit (whose transpose
+    rule evaluates the known part of its body itself). Loops, conditionals and checkpoints
+    want their bodies split into known and linear parts."""
+    jaxpr, _ = jaxpr_and_consts(closed)
+    linear = set(jaxpr.invars[n_known:])
+    for eqn in jaxpr.eqns:
+        if not any(not is_literal(v) and v in linear for v in eqn.invars):
+            continue
+        if eqn.primitive is not pjit_p and jaxprs_in_params(eqn.params):
+            return False
+        linear.update(eqn.outvars)
+    return True
