@@ -186,3 +186,29 @@ def test_rules_without_a_writer_are_traced_and_spliced():
     # Against float32 jax.grad: the forward differs by bf16 rounding at each of the 4 steps.
     ref = jax.grad(loss)(w.astype(jnp.float32), xs.astype(jnp.float32))
     np.testing.assert_allclose(got, ref, rtol=16 * float(jnp.finfo(jnp.bfloat16).eps))
+
+
+@pytest.mark.parametrize("unroll", [1, 4])
+def test_a_recurrence_is_transposed_after_partial_evaluation(unroll):
+    """A linear scan whose body multiplies the carry's tangent by a residual: its transpose rule
+    wants the body split into known and linear parts (jax 0.10.2 asserts otherwise), so the
+    written program goes through `jax.linear_transpose`'s partial evaluation."""
+    def loss(a, u):
+        def step(s, x):
+            s = a.astype(jnp.bfloat16) * s + x
+            return s, s
+        _, s = lax.scan(step, jnp.zeros_like(u[0]), u, unroll=unroll)
+        return jnp.sum(s.astype(jnp.float32) ** 2)
+
+    a = jnp.linspace(0.5, 0.95, 8).reshape(1, 8)
+    u = jnp.linspace(-1, 1, 6 * 2 * 8).reshape(6, 2, 8).astype(jnp.bfloat16)
+    checked: list = []
+    with _mode(True, checked):
+        got = jax.jit(hg.grad(loss, argnums=(0, 1)))(a, u)
+    with _mode(False):
+        want = jax.jit(hg.grad(loss, argnums=(0, 1)))(a, u)
+    assert checked
+    written = compat.jaxpr_and_consts(checked[0])[0]
+    assert not compat.transposable_as_is(checked[0], len(written.invars) - 2)  # 2 tangents
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

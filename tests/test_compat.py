@@ -272,3 +272,21 @@ def test_transpose_jaxpr_is_linear_transpose(jit):
     f, g = (jax.jit(ours), jax.jit(theirs)) if jit else (ours, theirs)
     (a,), (b,) = f(r, cts), g(r, cts)
     np.testing.assert_array_equal(a, b)
+
+
+def test_transposable_as_is_only_without_linear_control_flow():
+    def straight(r, t):
+        return [jnp.sin(r) * jax.jit(lambda v: v * 2.0)(t)]
+
+    def looped(r, t):
+        return [lax.scan(lambda c, x: (c * r + x, None), t, jnp.ones((3,) + t.shape))[0]]
+
+    r, t = jnp.ones(3), jax.ShapeDtypeStruct((3,), jnp.float32)
+    assert compat.transposable_as_is(jax.make_jaxpr(straight)(r, t), 1)
+    assert not compat.transposable_as_is(jax.make_jaxpr(looped)(r, t), 1)
+
+    def known_loop(r, t):  # a loop over known values only is evaluated, not transposed
+        s = lax.scan(lambda c, x: (c * 2.0 + x, None), r, jnp.ones((3, 3)))[0]
+        return [s * t]
+
+    assert compat.transposable_as_is(jax.make_jaxpr(known_loop)(r, t), 1)
