@@ -11,7 +11,8 @@ How a backward pass is run in tangent precision:
    running the interpreter (`interpreter.py`, rules in `rules.py`) on the equations it does
    not write itself; with ``_BUILD = False`` the interpreter's evaluation is traced instead.
 3. The transpose of the promoted program is the backward (`compat.transpose_jaxpr`, what
-   `jax.linear_transpose` runs). JAX builds every cotangent accumulator from the promoted
+   `jax.linear_transpose` runs, or `jax.linear_transpose` itself when a linear loop needs its
+   partial evaluation first). JAX builds every cotangent accumulator from the promoted
    avals, so accumulators (a shared weight's gradient summed over scan steps, which JAX starts
    from a literal zero) are full precision too.
 
