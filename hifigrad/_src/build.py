@@ -30,12 +30,13 @@ from jax import lax
 
 from . import compat
 from .dtypes import is_real_float
-from .interpreter import Interpreter, _is_float_aval, materialize
+from .interpreter import Interpreter, materialize
 from .primitives import upcast_p
 from .rules import (
     _call_jaxpr_param,
     _floating_aval,
     _promote_params,
+    _promoted_aval,
     convert_rule,
     default_rule,
     inline_rule,
@@ -47,16 +48,6 @@ from .rules import (
 __all__ = ["promoted_jaxpr"]
 
 _Literal = jax.extend.core.Literal
-_FLOAT_DTYPES: dict = {}
-
-
-def _floating(aval) -> bool:
-    """`rules._floating_aval`, memoized per dtype."""
-    dt = getattr(aval, "dtype", None)
-    hit = _FLOAT_DTYPES.get(dt)
-    if hit is None:
-        hit = _FLOAT_DTYPES[dt] = _floating_aval(aval)
-    return hit
 
 
 def promoted_jaxpr(interp: Interpreter, jaxpr, n_known: int, out_dtypes):
@@ -66,7 +57,7 @@ def promoted_jaxpr(interp: Interpreter, jaxpr, n_known: int, out_dtypes):
     ``jax.make_jaxpr`` of the interpreter's evaluation of `jaxpr` gives, without tracing it."""
     b = _Builder(interp)
     known = [*jaxpr.constvars, *jaxpr.invars[:n_known]]
-    tangents = [compat.new_var(_promoted(interp, v.aval)) for v in jaxpr.invars[n_known:]]
+    tangents = [compat.new_var(_promoted_aval(interp, v.aval)) for v in jaxpr.invars[n_known:]]
     outs, flags = b.run(jaxpr, [*jaxpr.invars[:n_known], *tangents],
                         [False] * n_known + [True] * len(tangents),
                         consts=list(jaxpr.constvars), fresh=False)
@@ -78,12 +69,6 @@ def promoted_jaxpr(interp: Interpreter, jaxpr, n_known: int, out_dtypes):
                      b.traced(lambda x, d=d: lax.convert_element_type(x, d), [o])[0])
     return compat.closed_jaxpr_from(jaxpr, b.constvars, b.consts, [*known, *tangents], final,
                                     b.eqns)
-
-
-def _promoted(interp, aval):
-    if _floating(aval):
-        return aval.update(dtype=interp.up(aval.dtype), weak_type=False)
-    return aval
 
 
 class _Builder:
@@ -110,7 +95,7 @@ class _Builder:
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
         for v, a, f in zip(jaxpr.invars, args, flags):
-            env[v] = (a, bool(f) and _floating(v.aval))
+            env[v] = (a, bool(f) and _floating_aval(v.aval))
         skips = interp._skip_adds(jaxpr)  # noqa: SLF001
         for i, eqn in enumerate(jaxpr.eqns):
             atoms, inflags, promoted = [], [], False
@@ -141,7 +126,7 @@ class _Builder:
             if i in skips and all(inflags) and all(oflags):
                 outs = [self._materialize(o) for o in outs]
             for v, o, f in zip(eqn.outvars, outs, oflags):
-                env[v] = (o, bool(f) and _floating(v.aval))
+                env[v] = (o, bool(f) and _floating_aval(v.aval))
         got = [read(v) for v in jaxpr.outvars]
         return [a for a, _ in got], [f for _, f in got]
 
@@ -176,8 +161,7 @@ class _Builder:
         hit = self._upcasts.get(key)
         if hit is None:
             params = dict(new_dtype=target)
-            (out,), effects = compat.abstract_eval_effects(
-                eqn.replace(primitive=upcast_p, params=params), [aval], params)
+            out, effects = upcast_p.abstract_eval(aval, **params)
             hit = self._upcasts[key] = self.emit(
                 eqn.replace(primitive=upcast_p), [atom], params, [out], effects)[0]
         return hit
@@ -229,7 +213,7 @@ class _Builder:
         return [read(v) for v in jaxpr.outvars]
 
     def _materialize(self, atom):
-        if compat.is_literal(atom) or not _is_float_aval(atom.aval):
+        if compat.is_literal(atom) or not _floating_aval(atom.aval):
             return atom
         closed = self._spliced.get(atom.aval)
         if closed is None:
@@ -248,14 +232,14 @@ def _promote(b: _Builder, eqn, atoms, inflags, params):
     why, out_avals, effects = promotion(interp, eqn, avals, params)
     if why is not None or effects:
         return None
-    args = [b.cast_up(a, eqn, f) if _floating(av) else a
+    args = [b.cast_up(a, eqn, f) if _floating_aval(av) else a
             for a, f, av in zip(atoms, inflags, avals)]
     return b.emit(eqn, args, params, out_avals, effects), [True] * len(out_avals)
 
 
 def _default(b: _Builder, eqn, atoms, inflags):
     if compat.jaxprs_in_params(eqn.params) or any(
-            not _floating(v.aval) and compat.is_ref_or_extended(v.aval) for v in eqn.invars):
+            not _floating_aval(v.aval) and compat.is_ref_or_extended(v.aval) for v in eqn.invars):
         return None
     return _promote(b, eqn, atoms, inflags, _promote_params(b.interp, eqn.params))
 
@@ -275,7 +259,7 @@ def _matmul(b: _Builder, eqn, atoms, inflags):
 
 def _convert(b: _Builder, eqn, atoms, inflags):
     (x,), new_dtype = atoms, np.dtype(eqn.params["new_dtype"])
-    if compat.is_literal(x) or not _floating(eqn.outvars[0].aval):
+    if compat.is_literal(x) or not _floating_aval(eqn.outvars[0].aval):
         return None
     target = b.interp.up(new_dtype)
     if np.dtype(x.aval.dtype) == target:

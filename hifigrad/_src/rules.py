@@ -363,8 +363,15 @@ def linear_solve_rule(interp: Interpreter, eqn, invals, inflags):
     return list(out), [True] * len(out)
 
 
+_FLOAT_DTYPES: dict = {}  # dtype -> whether it is a floating dtype (`_floating_aval`)
+
+
 def _floating_aval(a) -> bool:
-    return jax.numpy.issubdtype(getattr(a, "dtype", np.int32), jax.numpy.floating)
+    dt = getattr(a, "dtype", np.int32)
+    hit = _FLOAT_DTYPES.get(dt)
+    if hit is None:
+        hit = _FLOAT_DTYPES[dt] = bool(jax.numpy.issubdtype(dt, jax.numpy.floating))
+    return hit
 
 
 def callback_rule(interp: Interpreter, eqn, invals, inflags):
