@@ -472,10 +472,13 @@ def test_a_traced_block_evaluates_at_a_slice_of_its_batch():
     np.testing.assert_allclose(np.asarray(part), full, rtol=0,
                                atol=64 * np.finfo(np.float32).eps * np.abs(full).max())
     sliced = jax.make_jaxpr(lambda x, *l: compress._eval_resizable(jaxpr, consts, x, *l))(
-        x[:2], *leaves).jaxpr
-    direct = jax.make_jaxpr(lambda x, p: block(x, p)[0])(x[:2], p).jaxpr
-    assert separable.same_program(jaxpr, sliced, 4)
-    assert separable.same_program(direct, sliced, 1)
+        x[:2], *leaves)
+    direct = jax.make_jaxpr(lambda x, p: block(x, p)[0])(x[:2], p)
+    axes = separable.Axes()
+    separable.batch_axes(jaxpr, [0] + [None] * len(leaves), 8, record=axes)
+    assert separable.same_program(jaxpr, sliced.jaxpr, 4, axes, consts, sliced.consts)
+    assert separable.same_program(direct.jaxpr, sliced.jaxpr, 1, None, direct.consts,
+                                  sliced.consts)
 
 
 @pytest.mark.parametrize("fn, match", [

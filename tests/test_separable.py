@@ -11,7 +11,7 @@ from jax import lax
 from platforms import highest_precision
 
 import hifigrad as hg
-from hifigrad._src.separable import NotSeparable, batch_axes, same_program
+from hifigrad._src.separable import Axes, NotSeparable, batch_axes, same_program
 
 B = 8
 
@@ -69,12 +69,21 @@ def test_a_parameter_that_varies_along_the_batch_is_not_separable():
         _axes(lambda x, v: x * v, x3, x3, in_axes=[0, None])
 
 
+def _same(f, x, k, g=None):
+    """`same_program` of `f` traced at `x` (batch axis 0, analysed) and `g` (default `f`) at
+    its first 1/k rows, constants compared by value."""
+    full = jax.make_jaxpr(f)(x)
+    axes = Axes()
+    batch_axes(full.jaxpr, [0], x.shape[0], record=axes)
+    sliced = jax.make_jaxpr(g or f)(x[: x.shape[0] // k])
+    return same_program(full.jaxpr, sliced.jaxpr, k, axes, full.consts, sliced.consts)
+
+
 def test_same_program_up_to_the_batch_size():
     f = lambda x: jnp.tanh(x @ w).reshape(x.shape[0] * 4, 6)  # noqa: E731
-    full = jax.make_jaxpr(f)(x3).jaxpr
-    assert same_program(full, jax.make_jaxpr(f)(x3[:2]).jaxpr, 4)
+    assert _same(f, x3, 4)
     g = lambda x: jnp.tanh(x @ w) if x.shape[0] == B else jnp.sin(x @ w)  # noqa: E731
-    assert not same_program(full, jax.make_jaxpr(g)(x3[:2]).jaxpr, 4)
+    assert not _same(f, x3, 4, g)
 
 
 def test_block_that_branches_on_the_batch_size_is_not_sliced(maybe_jit):
@@ -129,9 +138,7 @@ def test_same_program_sees_one_custom_rule_traced_twice():
     slices); two rules with the same primal are not."""
     relu_a, relu_b = _two_relus()
 
-    def traced(fn, n):
-        return jax.make_jaxpr(lambda x: fn(x) * 2)(jnp.ones((n, 4))).jaxpr
-
-    assert same_program(traced(jax.nn.relu, 8), traced(jax.nn.relu, 2), 4)
-    assert same_program(traced(relu_a, 8), traced(relu_a, 2), 4)
-    assert not same_program(traced(relu_a, 8), traced(relu_b, 2), 4)
+    x = jnp.ones((8, 4))
+    assert _same(lambda x: jax.nn.relu(x) * 2, x, 4)
+    assert _same(lambda x: relu_a(x) * 2, x, 4)
+    assert not _same(lambda x: relu_a(x) * 2, x, 4, lambda x: relu_b(x) * 2)

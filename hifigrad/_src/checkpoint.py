@@ -226,45 +226,102 @@ class _SlicePlan:
 
 def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
                 slices) -> _SlicePlan | None:
+    """`_slice_decision`'s plan, its reason recorded for `slice_report`."""
+    plan, why = _slice_decision(fun_flat, converted, consts, flat, encode, policy, save,
+                                slices)
+    for log in _SLICE_LOGS:
+        log.append(why)
+    return plan
+
+
+# Lists that `slice_report` opens: each checkpoint traced meanwhile appends why its backward
+# runs in slices or at once.
+_SLICE_LOGS: list[list] = []
+
+
+def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
+                    slices) -> tuple[_SlicePlan | None, str]:
     """How the backward of ``converted(*flat, *consts)`` (`fun_flat` closure-converted) runs:
     in slices when `_slice_count` asks for more than one and the block is separable along
-    the batch axis, read from its program (see `separable`): each row of its float outputs
-    is computed from the same row of its batched inputs (`_batched`) alone, and the block
-    traced at 1/k of the batch is that same program (closing over the same values). Else
-    None: at once.
+    the batch axis, read from its programs (see `separable`): each row of its float outputs
+    is computed from the same row of its batched inputs (`_batched`) alone; its backward
+    program (custom JVP and VJP rules included) gives each batched input's cotangent rows
+    from the same rows alone and each other input's cotangent as a sum over the rows; and
+    the block traced at 1/k of the batch is that same program, forward and backward (closing
+    over the same values). Else None: at once.
     """
-    from .separable import NotSeparable, batch_axes, same_program
+    from .separable import Axes, NotSeparable, batch_axes, check_backward, same_program
 
     if save != "inputs":
-        return None
+        return None, f'save="{save}" recomputes nothing: its backward runs at once'
     batched = _batched(encode, flat)
     k = _slice_count(slices, policy, batched, flat)
     if k <= 1:
-        return None
+        return None, ("one slice asked for or chosen (a backward no wider than the saved "
+                      "activations, or fewer than 2 x 512 rows)")
     batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
     sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
                                    jnp.result_type(x)) if b else x
               for x, b in zip(flat, batched)]
     try:
         fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
-    except Exception:  # noqa: BLE001 - `fun` is not batch-polymorphic (e.g. it evaluates a
-        return None    # jaxpr traced at the full batch, as hg.compress_checkpoints' blocks do)
+    except Exception as e:  # noqa: BLE001 - `fun` is not batch-polymorphic
+        return None, f"the block cannot be traced at 1/{k} of its batch ({type(e).__name__}: {e})"
     if len(consts_k) != len(consts) or any(a is not b for a, b in zip(consts, consts_k)):
-        return None  # it closes over other values at the slice's size
+        return None, "the block closes over other values at the slice's size"
     in_axes = [0 if b else None for b in batched] + [None] * len(consts)
-    jaxpr, _, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
+    jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
     try:
-        out_axes = batch_axes(jaxpr, in_axes, batch)
-    except NotSeparable:
-        return None
-    for v, a in zip(jaxpr.outvars, out_axes):
+        axes = Axes()
+        out_axes = batch_axes(jaxpr, in_axes, batch, record=axes)
+    except NotSeparable as e:
+        return None, f"the forward mixes rows of the batch: {e}"
+    for i, (v, a) in enumerate(zip(jaxpr.outvars, out_axes)):
         if jnp.issubdtype(v.aval.dtype, jnp.inexact) and a != 0:
-            return None  # an output that does not split with the batch
-    jaxpr_k, _, _ = compat.make_jaxpr_closed(fun_k, *sliced, *consts)
-    if not same_program(jaxpr, jaxpr_k, k):
-        return None
-    return _SlicePlan(k, fun_k, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                 for v in jaxpr_k.outvars], batched)
+            return None, f"output {i} is not batched along its leading axis"
+    jaxpr_k, jconsts_k, _ = compat.make_jaxpr_closed(fun_k, *sliced, *consts)
+    diff: list = []
+    if not same_program(jaxpr, jaxpr_k, k, axes, jconsts, jconsts_k, diff):
+        return None, (f"the block traced at 1/{k} of its batch is another program "
+                      f"({'; '.join(diff) or 'its structure differs'})")
+    out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr_k.outvars]
+    # The backward as the slices run it, at the full batch and at a slice.
+    is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
+    full_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
+    try:
+        bwd, bconsts, _ = _backward_program(converted, [*flat, *consts], full_avals, is_float,
+                                            policy)
+        bwd_k, bconsts_k, _ = _backward_program(fun_k, [*sliced, *consts], out_avals,
+                                                is_float, policy)
+        b_axes = check_backward(bwd, in_axes + [0] * sum(is_float), batch,
+                                [*batched, *[False] * len(consts)])
+    except NotSeparable as e:
+        return None, f"the backward mixes rows of the batch: {e}"
+    diff: list = []
+    if not same_program(bwd, bwd_k, k, b_axes, bconsts, bconsts_k, diff):
+        return None, (f"the backward traced at 1/{k} of the batch is another program "
+                      f"({'; '.join(diff) or 'its structure differs'})")
+    return _SlicePlan(k, fun_k, out_avals, batched), f"sliced: {k} slices of {batch // k} rows"
+
+
+def _backward_program(fun, args, out_avals, is_float, policy: Policy):
+    """The jaxpr of `fun`'s backward at `args` as `_sliced_backward` runs it: inputs `args`
+    and the float outputs' cotangents, outputs the cotangent of each of `args`."""
+    from .api import _vjp
+    from .rules import PROMOTE
+
+    n = len(args)
+
+    def bwd(*xs):
+        it = iter(xs[n:])
+        cts = [next(it) if f else np.zeros(a.shape, jax.dtypes.float0)
+               for a, f in zip(out_avals, is_float)]
+        _, vjp_fn = _vjp(lambda *a: fun(*a), tuple(xs[:n]), False, policy, PROMOTE)
+        return vjp_fn(cts)
+
+    cts = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, f in zip(out_avals, is_float) if f]
+    jaxpr, consts, tree = compat.make_jaxpr_closed(bwd, *args, *cts)
+    return (*compat.dce(jaxpr, consts), tree)
 
 
 def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
@@ -627,8 +684,11 @@ def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
     saved_vars = _choose_saved(jaxpr, n_out, encoded_in)
     env = dict(zip(jaxpr.constvars, jconsts))
     env.update(zip(jaxpr.invars, everything))
-    vals = _eval_jaxpr(jaxpr, env, [*jaxpr.outvars[:n_out], *saved_vars], effects=True)
-    out, values = vals[:n_out], vals[n_out:]
+    # The output is `fun`'s own (bitwise, as the forward of a checkpoint must be): the
+    # linearized program computes its primal with JAX's JVP rules, whose bf16 roundings may
+    # differ. Only the saved values are read from that program (its effects run in `fun`).
+    out = fun_flat(*args, *consts)
+    values = _eval_jaxpr(jaxpr, env, list(saved_vars))
 
     sizes = [math.prod(np.shape(a)) for a, e in zip(args, encode) if e]
     min_size = min(sizes) if sizes else math.inf

@@ -660,6 +660,18 @@ def linearized_jaxpr(lin, tangent_avals: Sequence[Any]):
     return jaxpr.replace(constvars=[], invars=[*all_in[:n_c], *all_in[n_c + n_t:], *tangents])
 
 
+def dce(jaxpr, consts: Sequence[Any] = ()) -> tuple[Any, list]:
+    """`jaxpr` (with constvars holding `consts`) without the equations no output needs,
+    inside its calls too (JAX's own dead-code elimination); inputs are all kept."""
+    n = len(jaxpr.constvars)
+    if n:
+        jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+    jaxpr, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), True)
+    if n:
+        jaxpr = jaxpr.replace(constvars=jaxpr.invars[:n], invars=jaxpr.invars[n:])
+    return jaxpr, list(consts)
+
+
 def transpose_jaxpr(closed, known: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
     """The transpose of the closed jaxpr `closed`, linear in its invars after the first
     ``len(known)`` (which take the values `known`), applied to the output cotangents `cts`:
