@@ -9,6 +9,7 @@ from ._src.api import value_and_grad as value_and_grad
 from ._src.api import vjp as vjp
 from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
+from ._src.checkpoint import slice_report as slice_report
 from ._src.codecs import get_codec as get_codec
 from ._src.compat import JaxCompatibilityError as JaxCompatibilityError
 from ._src.compat import UntestedJaxWarning as UntestedJaxWarning
@@ -49,6 +50,7 @@ __all__ = [
     "get_codec",
     "JaxCompatibilityError",
     "scan",
+    "slice_report",
     "UnsupportedPrimitiveError",
     "UntestedJaxWarning",
     "grad",

@@ -142,3 +142,122 @@ def test_same_program_sees_one_custom_rule_traced_twice():
     assert _same(lambda x: jax.nn.relu(x) * 2, x, 4)
     assert _same(lambda x: relu_a(x) * 2, x, 4)
     assert not _same(lambda x: relu_a(x) * 2, x, 4, lambda x: relu_b(x) * 2)
+
+
+# ------------------------------------------------- issue 32: never a silently wrong gradient
+# Each class below once gave a wrong gradient when the backward ran in slices. Every block is
+# float32 and run with codec "none", so the reference is plain `jax.grad` of the block
+# (float32 against float32, the row sums of the parameter cotangents reassociated: rtol 1e-5).
+
+RB, RT, RD = 16, 128, 16  # 2048 rows: 4 slices of 512
+
+
+@jax.custom_jvp
+def _jvp_global(x):
+    return x * 2
+
+
+@_jvp_global.defjvp
+def _jvp_global_rule(p, t):
+    (x,), (tx,) = p, t
+    return _jvp_global(x), tx * jnp.mean(x ** 2)
+
+
+@jax.custom_vjp
+def _clip_global(x):
+    return x
+
+
+_clip_global.defvjp(lambda x: (x, None),
+                    lambda _, g: (g / jnp.sqrt(jnp.sum(g ** 2)),))
+
+
+@jax.custom_jvp
+def _jvp_rowwise(x):
+    return x * 2
+
+
+@_jvp_rowwise.defjvp
+def _jvp_rowwise_rule(p, t):
+    (x,), (tx,) = p, t
+    return _jvp_rowwise(x), tx * jnp.mean(x ** 2, axis=-1, keepdims=True)
+
+
+@jax.custom_vjp
+def _clip_rowwise(x):
+    return x
+
+
+_clip_rowwise.defvjp(lambda x: (x, None),
+                     lambda _, g: (g / jnp.sqrt(jnp.sum(g ** 2, -1, keepdims=True) + 1.0),))
+
+
+def _blocks():
+    rng = np.random.default_rng(7)
+    proj = rng.normal(size=(RD, RD)).astype(np.float32)
+    return {
+        "custom_jvp with a statistic over the whole tensor":
+            (lambda w, x: _jvp_global(jnp.tanh(x @ w)), False),
+        "custom_vjp normalising by the global norm":
+            (lambda w, x: _clip_global(jnp.tanh(x @ w)), False),
+        "k-fold integer off the batch axis":
+            (lambda w, x: jnp.tanh(x[:, :4 * x.shape[0]] @ w).sum(1, keepdims=True) + x, False),
+        "NumPy constant from the batch size":
+            (lambda w, x: jnp.tanh(x @ w) * np.full((RD,), 8.0 / x.shape[0], np.float32),
+             False),
+        # A fresh matrix at every trace (one drawn per trace, as np.random would):
+        "constant drawn at trace time":
+            (lambda w, x: jnp.tanh(x @ (w @ (proj * (1 + x.shape[0] / RB)))), False),
+        "custom_jvp per row": (lambda w, x: _jvp_rowwise(jnp.tanh(x @ w)), True),
+        "custom_vjp per row": (lambda w, x: _clip_rowwise(jnp.tanh(x @ w)), True),
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint", "scan", "compress_checkpoints"])
+@pytest.mark.parametrize("name", list(_blocks()))
+def test_sliced_backward_is_never_wrong(name, wrapper, maybe_jit):
+    """Blocks whose backward mixes rows (through a custom rule, a batch-size-dependent
+    constant or length, a trace-time constant) run their backward at once; the ones that do
+    not still run in slices. Either way the gradients are plain `jax.grad`'s."""
+    block, separable_ = _blocks()[name]
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(RD, RD)) / 4, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(RB, RT, RD)), jnp.float32)
+    ws = jnp.stack([w, w * 0.5])
+
+    if wrapper == "checkpoint":
+        f = hg.checkpoint(block, codec="none", backward_slices=4)
+        loss = lambda w, x: jnp.sum(f(w[0], x) ** 2)  # noqa: E731
+    elif wrapper == "scan":
+        loss = lambda w, x: jnp.sum(hg.scan(  # noqa: E731
+            lambda c, wi: (block(wi, c), None), x, w, codec="none", backward_slices=4)[0] ** 2)
+    else:
+        def plain(w, x):
+            body = jax.checkpoint(lambda c, wi: (block(wi, c), None))
+            return jnp.sum(lax.scan(body, x, w)[0] ** 2)
+        loss = hg.compress_checkpoints(plain, "none", backward_slices=4)
+
+    def ref(w, x):
+        return jnp.sum(lax.scan(lambda c, wi: (block(wi, c), None),
+                                x, w[:1] if wrapper == "checkpoint" else w)[0] ** 2)
+
+    report = hg.slice_report(jax.grad(loss), ws, x)
+    assert report and all(r.startswith("sliced") == separable_ for r in report), report
+    with highest_precision():
+        g = maybe_jit(jax.grad(loss, argnums=(0, 1)))(ws, x)
+        want = jax.grad(ref, argnums=(0, 1))(ws, x)
+    for a, b in zip(g, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.max(np.abs(b)))
+
+
+def test_save_residuals_forward_is_the_functions_own():
+    """With ``save="residuals"`` the forward's value is `fun`'s (bitwise, bf16, eager), not
+    the linearized program's primal, whose bf16 roundings may differ."""
+    blk = lambda c, w: (jnp.tanh(c @ w) * jax.nn.softmax(c, -1), None)  # noqa: E731
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(8, 64, 16)), jnp.bfloat16)
+    ws = jnp.asarray(rng.normal(size=(2, 16, 16)) / 4, jnp.bfloat16)
+    loss = lambda w, x: jnp.sum(hg.scan(blk, x, w, codec="none", save="residuals")[0]  # noqa
+                                .astype(jnp.float32) ** 2)
+    v, _ = jax.value_and_grad(loss)(ws, x)
+    assert float(v) == float(loss(ws, x))

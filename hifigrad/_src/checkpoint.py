@@ -239,6 +239,31 @@ def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save:
 _SLICE_LOGS: list[list] = []
 
 
+def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
+    """Why each compressed checkpoint in ``fun(*args, **kwargs)`` runs its float32 backward
+    in batch slices, or at once.
+
+    Traces `fun` abstractly (`jax.eval_shape`: nothing is computed) and returns one line per
+    checkpoint traced (`hg.checkpoint`, each `hg.scan` step, each checkpoint
+    `hg.compress_checkpoints` found), in trace order: ``"sliced: 4 slices of 16 rows"``, or
+    the reason it is not, naming the equation that stopped it (a reduction over the batch,
+    a custom rule whose backward mixes rows, a program that depends on the batch size, ...).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> f = hg.checkpoint(lambda x: x - x.mean(0), codec="int8", backward_slices=4)
+      >>> hg.slice_report(jax.grad(lambda x: f(x).sum()), jnp.ones((2048, 4)))
+      ['the forward mixes rows of the batch: reduce_sum: reduces over the batch axis']
+    """
+    log: list = []
+    _SLICE_LOGS.append(log)
+    try:
+        jax.eval_shape(functools.partial(fun, **kwargs), *args)
+    finally:
+        _SLICE_LOGS.remove(log)
+    return log
+
+
 def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
                     slices) -> tuple[_SlicePlan | None, str]:
     """How the backward of ``converted(*flat, *consts)`` (`fun_flat` closure-converted) runs:
