@@ -48,7 +48,7 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_unflatten
 
 from . import compat, separable
-from .checkpoint import check_save, checkpoint_call
+from .checkpoint import check_save, check_slices, checkpoint_call
 from .codecs import get_codec
 from .dtypes import is_real_float
 from .policy import Policy, resolve_policy
@@ -92,8 +92,8 @@ class _Rewriter:
     Each value carries an *alive* flag: True for values that stay alive anyway (see the
     module docstring), which a checkpoint saves as they are."""
 
-    def __init__(self, codec, policy: Policy, save: str):
-        self.codec, self.policy, self.save = codec, policy, save
+    def __init__(self, codec, policy: Policy, save: str, slices: int | None = None):
+        self.codec, self.policy, self.save, self.slices = codec, policy, save, slices
 
     def eval(self, jaxpr, consts: Sequence, args: Sequence, alive: Sequence[bool]):
         env: dict = {}
@@ -154,7 +154,7 @@ class _Rewriter:
         in_tree = jax.tree_util.tree_structure(tuple(flat))
         with compat.eqn_context(eqn):
             out = checkpoint_call(lambda *a: list(body(*a)), flat, in_tree, encode, self.codec,
-                                  self.policy, self.save)
+                                  self.policy, self.save, backward_slices=self.slices)
         return list(out)
 
 
@@ -518,7 +518,8 @@ def _set_value(var, value):
 
 
 def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
-                         policy: Policy | None = None) -> Callable:
+                         policy: Policy | None = None,
+                         backward_slices: int | None = None) -> Callable:
     """Makes every checkpoint in ``fun`` save its activations encoded with `codec`.
 
     ``fun``'s checkpoints (`jax.checkpoint` / `jax.remat`, ``nn.remat``, ``nnx.remat``,
@@ -543,6 +544,10 @@ def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
         "int2").
       save: ``"inputs"`` or ``"residuals"``, as in `hifigrad.checkpoint`.
       policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
+      backward_slices: as in `hifigrad.checkpoint`: the batch slices each checkpoint's
+        recomputed backward runs in (None: automatic; 1: never slice). Slicing happens only
+        where the block is proven separable; `hifigrad.slice_report` says, per checkpoint,
+        whether it was and what stopped it.
 
     Returns:
       A function with ``fun``'s signature and outputs.
@@ -577,7 +582,7 @@ def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
             f"(a jax.checkpoint policy belongs to the checkpoints in `fun`); got {policy!r}.")
     policy = resolve_policy(policy)
     save = check_save(save)
-    rewriter = _Rewriter(codec, policy, save)
+    rewriter = _Rewriter(codec, policy, save, check_slices(backward_slices))
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
