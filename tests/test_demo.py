@@ -311,6 +311,99 @@ def test_progress_shows_each_modes_own_training_time(monkeypatch):
     assert (tasks["b"]["t0"], tasks["b"]["t1"]) == (10.0, 13.0)
 
 
+def test_version_flag_prints_the_package_version(capsys):
+    import platform
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (f"hifigrad {hifigrad.__version__} (jax {jax.__version__}, Python "
+                   f"{platform.python_version()})")
+    assert hifigrad.__version__ != "0.0.0+unknown"  # read from the installed metadata
+
+
+def test_demo_help_shows_every_default(capsys):
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    sub = next(a for a in cli._parser()._actions if a.dest == "command").choices["demo"]
+    flags = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 8
+    for a in flags:
+        assert "(default:" in a.help or "default: " in a.help, a.option_strings
+    # what the help shows is what a run without the flag gets
+    assert "(default: 200; with --quick 30;" in " ".join(out.split())
+    assert "(default: 0)" in out
+
+
+def test_help_defaults_agree_with_the_demo_configurations():
+    from hifigrad.demo.train import QUICK, RECURRENT, RECURRENT_QUICK, DemoConfig
+
+    configs = {("gpt", False): DemoConfig(), ("gpt", True): QUICK,
+               ("recurrent", False): RECURRENT, ("recurrent", True): RECURRENT_QUICK}
+    assert cli.CONFIG_DEFAULTS == {k: (c.steps, c.n_layers) for k, c in configs.items()}
+    for (task, quick), cfg in configs.items():
+        argv = ["demo", "--task", task] + (["--quick"] if quick else [])
+        assert cli._config(cli._parser().parse_args(argv)) == cfg
+
+
+class _Stream:
+    """A text stream recording what was written before each flush."""
+
+    def __init__(self):
+        self.buffer, self.flushed = "", []
+
+    def write(self, text):
+        self.buffer += text
+
+    def flush(self):
+        self.flushed.append(self.buffer)
+
+    def isatty(self):
+        return False
+
+
+def test_progress_is_printed_line_by_line_when_output_is_not_a_terminal(monkeypatch):
+    """On a pipe or in a log file every event is a line, flushed as it is written (a live
+    display would show nothing until the run ends)."""
+    import types
+
+    from rich.console import Console
+
+    stream = _Stream()
+    rep = cli._reporter(Console(file=stream))
+    assert isinstance(rep, cli._LineReporter)
+    now = [0.0]
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    a = types.SimpleNamespace(name="a", label="mode a")
+    with rep:
+        rep.stage("tracing every mode")
+        rep.mode_start(a, 8)
+        now[0] = 4.0
+        rep.mode_compiled(a, 3.5)
+        for i in range(8):
+            now[0] = 5.0 + i
+            rep.mode_step(a, i)
+        rep.mode_end(a, {"status": "ok", "step_ms": 12.5})
+    lines = stream.buffer.splitlines()
+    assert lines == ["[hifigrad demo] tracing every mode",
+                     "[hifigrad demo] mode a: compiled in 3.5 s",
+                     "[hifigrad demo] mode a: step 2/8 (2.0 s)",
+                     "[hifigrad demo] mode a: step 4/8 (4.0 s)",
+                     "[hifigrad demo] mode a: step 6/8 (6.0 s)",
+                     "[hifigrad demo] mode a: step 8/8 (8.0 s)",
+                     "[hifigrad demo] mode a: done, 12.5 ms/step"]
+    # each line reached the stream's reader before the next event
+    assert stream.flushed == ["\n".join(lines[:i + 1]) + "\n" for i in range(len(lines))]
+
+
+def test_progress_is_live_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    assert isinstance(cli._reporter(Console(file=io.StringIO(), force_terminal=True)),
+                      cli._RichReporter)
+
+
 def test_plot_styles_are_distinct_for_every_mode():
     from hifigrad.demo.report import _marker, _style
 
