@@ -99,8 +99,9 @@ def test_skipped_blocks_are_rare():
 
 def _public_names() -> set[str]:
     codecs = hifigrad.codecs  # an attribute (hifigrad._src.codecs), not a module path
-    names = {f"hifigrad.{n}" for n in hifigrad.__all__ if n != "codecs"}
+    names = {f"hifigrad.{n}" for n in hifigrad.__all__ if n not in ("codecs", "optim")}
     names |= {f"hifigrad.codecs.{n}" for n in codecs.__all__}
+    names |= {f"hifigrad.optim.{n}" for n in hifigrad.optim.__all__}
     for mod in ("flax", "equinox"):
         try:
             m = importlib.import_module(f"hifigrad.{mod}")
