@@ -427,7 +427,9 @@ def test_memory_plot_has_a_temp_bar_for_every_mode(quick, tmp_path, monkeypatch)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
                         lambda fig, path: fig_axes.append(fig.axes))
     plot_memory(results, tmp_path / "memory.png")
-    (top, bottom), = fig_axes
+    (scale, top, bottom), = fig_axes
+    assert [t.get_text() for t in scale.get_xticklabels()] == [
+        rows[n]["label"] for n in results["memory_at_scale"]["temp_bytes"]]
     labels = [t.get_text() for t in bottom.get_xticklabels()]
     assert labels == [r["label"] for r in rows.values()]
     saved, temp = bottom.containers
@@ -446,6 +448,81 @@ def test_memory_is_compared_with_the_bf16_remat_scan_step(quick):
     assert "relative to the bf16 jax.checkpoint scan's" in text
     ratio = rows["int8-hg"]["temp_bytes"] / remat
     assert f"{rows['int8-hg']['label']} {ratio:.2f}x" in text
+
+
+def test_memory_at_scale_leads_with_the_saving(quick, tmp_path, monkeypatch):
+    """Every GPT run also compiles (does not train) the compressed modes and the bf16
+    jax.checkpoint scan at a size where the codec's saving shows, and leads the memory plot,
+    the report and the memory conclusions with that comparison."""
+    import matplotlib.figure
+
+    from hifigrad.demo.report import plot_memory
+    from hifigrad.demo.train import SCALE, SCALE_BATCH
+
+    _, out, results, rows = quick
+    scale = results["memory_at_scale"]
+    assert scale["model"]["n_layers"] == SCALE.n_layers and scale["batch_size"] == SCALE_BATCH
+    assert sorted(scale["temp_bytes"]) == ["fp8-hg", "int2-hg", "int4-hg", "int8-hg"]
+    ref = scale["remat_bf16_temp_bytes"]
+    ratios = {n: t / ref for n, t in scale["temp_bytes"].items()}
+    assert all(x < 1.0 for x in ratios.values()), ratios  # the saving shows at this size
+    text = " ".join(results["conclusions"])
+    want = ", ".join(f"{rows[n]['label']} {x:.2f}x" for n, x in ratios.items())
+    assert want in text and "At scale" in text
+    # first among the memory conclusions
+    memory = [c for c in results["conclusions"] if "MB" in c]
+    assert memory[0].startswith("**At scale**")
+    report = (out / "report.md").read_text()
+    assert "## Memory at scale (compile-only)" in report
+    assert f"| {rows['int8-hg']['label']} | " in report.split("## Memory at scale")[1]
+    fig_axes = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path: fig_axes.append(fig.axes))
+    plot_memory(results, tmp_path / "memory.png")
+    first = fig_axes[0][0]
+    assert first.get_title().startswith("At scale")
+    assert [round(b.get_height(), 6) for b in first.patches] == [
+        round(x, 6) for x in ratios.values()]
+
+
+def _with_temps(results, factor):
+    """A copy of ``results`` whose compressed modes' step temp is ``factor`` times the bf16
+    jax.checkpoint scan's."""
+    import copy
+
+    r = copy.deepcopy(results)
+    for row in r["modes"]:
+        if row["status"] == "ok" and row["saved"] not in ("all", "fp8-seed"):
+            row["temp_bytes"] = int(factor * r["remat_bf16_temp_bytes"])
+    r.pop("conclusions", None)
+    return r
+
+
+@pytest.mark.parametrize("factor", [1.2, 0.8])
+def test_report_says_why_small_runs_show_no_saving(quick, tmp_path, monkeypatch, factor):
+    """Where the compressed modes' step needs more temp than the bf16 remat scan's (as at
+    --quick's size), the conclusions and the plot say why, and point at the size where the
+    saving shows; where it does not, they say nothing of the kind."""
+    import matplotlib.figure
+
+    from hifigrad.demo.report import conclusions, plot_memory, small_size_note
+
+    _, _, results, _ = quick
+    r = _with_temps(results, factor)
+    note = small_size_note(r)
+    fig_axes = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path: fig_axes.append(fig.axes))
+    plot_memory(r, tmp_path / "memory.png")
+    title = fig_axes[0][-1].get_title()
+    if factor > 1:
+        assert note in conclusions(r)
+        assert "at this run's size" in note.lower() and f"up to {factor:.2f}x" in note
+        assert "smaller than its fixed costs" in note and "at scale" in note
+        assert "smaller than its fixed costs" in title
+    else:
+        assert note is None
+        assert "fixed costs" not in " ".join(conclusions(r)) and "fixed costs" not in title
 
 
 def test_conclusions_do_not_call_the_plain_scan_a_saving(quick):
