@@ -205,7 +205,7 @@ def test_main_is_the_console_script():
     assert hifigrad.__main__.main is main
 
 
-# The demo extra hidden from a fresh interpreter, as on a plain `pip install hifigrad`: each
+# The demo extra hidden from a fresh interpreter, as on a plain `pip install .` of hifigrad: each
 # named module is set to None in sys.modules, so importing it raises ModuleNotFoundError.
 _WITHOUT = ("import sys; hidden = sys.argv[1].split(','); del sys.argv[1]; "
             "sys.modules.update(dict.fromkeys(hidden)); "
@@ -233,7 +233,8 @@ def test_demo_without_its_extra_prints_one_line_naming_the_extra(hidden):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "pip install 'hifigrad[demo]'" in lines[0] and "optax" in lines[0]
+    assert "pip install -e '.[demo]'" in lines[0] and "pip install flax optax rich " \
+        "matplotlib" in lines[0] and "optax" in lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 

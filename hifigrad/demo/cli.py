@@ -3,7 +3,7 @@ report. Flag errors print one line to stderr and return exit status 2.
 
 ``hifigrad --help`` and ``hifigrad demo --help`` need only hifigrad's own dependencies (jax,
 numpy); running the demo needs the ``demo`` extra. Without it, ``hifigrad demo`` prints one line
-naming ``pip install 'hifigrad[demo]'`` and returns exit status 1."""
+naming how to install it and returns exit status 1."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ PROG = "hifigrad"
 TASKS = ("gpt", "recurrent")
 # What the demo imports beyond hifigrad's own dependencies: the ``demo`` extra of pyproject.toml.
 DEMO_EXTRA = ("flax", "optax", "rich", "matplotlib")
-INSTALL_DEMO = "pip install 'hifigrad[demo]'"
+# (hifigrad is not on PyPI yet: the extra installs from a clone, or its packages by name.)
+INSTALL_DEMO = "pip install -e '.[demo]' in a clone of hifigrad, or pip install " + " ".join(
+    DEMO_EXTRA)
 # The defaults of the flags whose value depends on --task and --quick, as ``demo --help`` shows
 # them (the configurations of `hifigrad.demo.train`, repeated so that ``--help`` needs no optax;
 # a test checks that the two agree): (task, quick) -> (steps, layers).
