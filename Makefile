@@ -2,7 +2,9 @@
 #   make demo   -- sets up a virtual environment with hifigrad[demo] when missing (only what the
 #                  demo imports: flax, optax, rich, matplotlib), then runs the main demo
 #   make test   -- sets up a virtual environment with hifigrad[test] when missing, then runs the
-#                  test suite
+#                  whole default test suite (about 17 minutes on 2 cores, measured in a fresh
+#                  clone with Python 3.11 and JAX 0.10.2: 1951 tests)
+#   make test-quick -- the same venv, a quick subset (QUICK below): a few minutes
 # PYTHON selects the interpreter; each gets its own venvs.
 # JAX selects a tested JAX release (one of ci/jax-*.txt, e.g. JAX=0.11.2): the venv then gets
 # exactly the pinned packages of that file (what CI installs), in a venv of its own.
@@ -23,7 +25,15 @@ SUBSET_K ?= not eager
 SUBSET ?= tests/test_api.py tests/test_rules.py tests/test_checkpoint.py tests/test_flax.py \
 	tests/test_census.py tests/test_compat.py tests/test_examples.py tests/test_demo.py
 
-.PHONY: demo test test-subset test-slow bench lint venv pins clean
+# The quick check a newcomer runs first (`make test-quick`): the public API, the checkpoints and
+# the drop-in compression, the policies, dtypes and the interpreter, the README's quickstart,
+# each case jitted only: 225 tests in 2 min 3 s wall on 2 cores (3 min 14 s while other jobs
+# shared them), 2.4 GB peak RSS (JAX 0.10.2, Python 3.11; see docs/getting-started.md).
+QUICK_K ?= not eager
+QUICK ?= tests/test_api.py tests/test_checkpoint.py tests/test_compress.py tests/test_policy.py \
+	tests/test_dtypes.py tests/test_interpreter.py tests/test_readme.py
+
+.PHONY: demo test test-quick test-subset test-slow bench lint venv pins clean
 
 venv: $(STAMP)
 
@@ -50,6 +60,9 @@ demo: $(DEMO_STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-quick: $(STAMP)
+	$(VENV)/bin/python -m pytest $(QUICK) -k "$(QUICK_K)" $(PYTEST_ARGS)
 
 test-subset: $(STAMP)
 	$(VENV)/bin/python -m pytest $(SUBSET) -k "$(SUBSET_K)" $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
 from importlib import metadata as _metadata
 
 from . import codecs as codecs
+from . import optim as optim
 from ._src.api import grad as grad
 from ._src.api import precise_backward as precise_backward
 from ._src.api import value_and_grad as value_and_grad
@@ -49,6 +50,7 @@ __all__ = [
     "fidelity_report",
     "get_codec",
     "JaxCompatibilityError",
+    "optim",
     "scan",
     "slice_report",
     "UnsupportedPrimitiveError",

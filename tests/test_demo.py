@@ -205,7 +205,7 @@ def test_main_is_the_console_script():
     assert hifigrad.__main__.main is main
 
 
-# The demo extra hidden from a fresh interpreter, as on a plain `pip install hifigrad`: each
+# The demo extra hidden from a fresh interpreter, as on a plain `pip install .` of hifigrad: each
 # named module is set to None in sys.modules, so importing it raises ModuleNotFoundError.
 _WITHOUT = ("import sys; hidden = sys.argv[1].split(','); del sys.argv[1]; "
             "sys.modules.update(dict.fromkeys(hidden)); "
@@ -233,7 +233,8 @@ def test_demo_without_its_extra_prints_one_line_naming_the_extra(hidden):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "pip install 'hifigrad[demo]'" in lines[0] and "optax" in lines[0]
+    assert "pip install -e '.[demo]'" in lines[0] and "pip install flax optax rich " \
+        "matplotlib" in lines[0] and "optax" in lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
@@ -311,6 +312,99 @@ def test_progress_shows_each_modes_own_training_time(monkeypatch):
     assert (tasks["b"]["t0"], tasks["b"]["t1"]) == (10.0, 13.0)
 
 
+def test_version_flag_prints_the_package_version(capsys):
+    import platform
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (f"hifigrad {hifigrad.__version__} (jax {jax.__version__}, Python "
+                   f"{platform.python_version()})")
+    assert hifigrad.__version__ != "0.0.0+unknown"  # read from the installed metadata
+
+
+def test_demo_help_shows_every_default(capsys):
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    sub = next(a for a in cli._parser()._actions if a.dest == "command").choices["demo"]
+    flags = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 8
+    for a in flags:
+        assert "(default:" in a.help or "default: " in a.help, a.option_strings
+    # what the help shows is what a run without the flag gets
+    assert "(default: 200; with --quick 30;" in " ".join(out.split())
+    assert "(default: 0)" in out
+
+
+def test_help_defaults_agree_with_the_demo_configurations():
+    from hifigrad.demo.train import QUICK, RECURRENT, RECURRENT_QUICK, DemoConfig
+
+    configs = {("gpt", False): DemoConfig(), ("gpt", True): QUICK,
+               ("recurrent", False): RECURRENT, ("recurrent", True): RECURRENT_QUICK}
+    assert cli.CONFIG_DEFAULTS == {k: (c.steps, c.n_layers) for k, c in configs.items()}
+    for (task, quick), cfg in configs.items():
+        argv = ["demo", "--task", task] + (["--quick"] if quick else [])
+        assert cli._config(cli._parser().parse_args(argv)) == cfg
+
+
+class _Stream:
+    """A text stream recording what was written before each flush."""
+
+    def __init__(self):
+        self.buffer, self.flushed = "", []
+
+    def write(self, text):
+        self.buffer += text
+
+    def flush(self):
+        self.flushed.append(self.buffer)
+
+    def isatty(self):
+        return False
+
+
+def test_progress_is_printed_line_by_line_when_output_is_not_a_terminal(monkeypatch):
+    """On a pipe or in a log file every event is a line, flushed as it is written (a live
+    display would show nothing until the run ends)."""
+    import types
+
+    from rich.console import Console
+
+    stream = _Stream()
+    rep = cli._reporter(Console(file=stream))
+    assert isinstance(rep, cli._LineReporter)
+    now = [0.0]
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    a = types.SimpleNamespace(name="a", label="mode a")
+    with rep:
+        rep.stage("tracing every mode")
+        rep.mode_start(a, 8)
+        now[0] = 4.0
+        rep.mode_compiled(a, 3.5)
+        for i in range(8):
+            now[0] = 5.0 + i
+            rep.mode_step(a, i)
+        rep.mode_end(a, {"status": "ok", "step_ms": 12.5})
+    lines = stream.buffer.splitlines()
+    assert lines == ["[hifigrad demo] tracing every mode",
+                     "[hifigrad demo] mode a: compiled in 3.5 s",
+                     "[hifigrad demo] mode a: step 2/8 (2.0 s)",
+                     "[hifigrad demo] mode a: step 4/8 (4.0 s)",
+                     "[hifigrad demo] mode a: step 6/8 (6.0 s)",
+                     "[hifigrad demo] mode a: step 8/8 (8.0 s)",
+                     "[hifigrad demo] mode a: done, 12.5 ms/step"]
+    # each line reached the stream's reader before the next event
+    assert stream.flushed == ["\n".join(lines[:i + 1]) + "\n" for i in range(len(lines))]
+
+
+def test_progress_is_live_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    assert isinstance(cli._reporter(Console(file=io.StringIO(), force_terminal=True)),
+                      cli._RichReporter)
+
+
 def test_plot_styles_are_distinct_for_every_mode():
     from hifigrad.demo.report import _marker, _style
 
@@ -334,7 +428,9 @@ def test_memory_plot_has_a_temp_bar_for_every_mode(quick, tmp_path, monkeypatch)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
                         lambda fig, path: fig_axes.append(fig.axes))
     plot_memory(results, tmp_path / "memory.png")
-    (top, bottom), = fig_axes
+    (scale, top, bottom), = fig_axes
+    assert [t.get_text() for t in scale.get_xticklabels()] == [
+        rows[n]["label"] for n in results["memory_at_scale"]["temp_bytes"]]
     labels = [t.get_text() for t in bottom.get_xticklabels()]
     assert labels == [r["label"] for r in rows.values()]
     saved, temp = bottom.containers
@@ -353,6 +449,81 @@ def test_memory_is_compared_with_the_bf16_remat_scan_step(quick):
     assert "relative to the bf16 jax.checkpoint scan's" in text
     ratio = rows["int8-hg"]["temp_bytes"] / remat
     assert f"{rows['int8-hg']['label']} {ratio:.2f}x" in text
+
+
+def test_memory_at_scale_leads_with_the_saving(quick, tmp_path, monkeypatch):
+    """Every GPT run also compiles (does not train) the compressed modes and the bf16
+    jax.checkpoint scan at a size where the codec's saving shows, and leads the memory plot,
+    the report and the memory conclusions with that comparison."""
+    import matplotlib.figure
+
+    from hifigrad.demo.report import plot_memory
+    from hifigrad.demo.train import SCALE, SCALE_BATCH
+
+    _, out, results, rows = quick
+    scale = results["memory_at_scale"]
+    assert scale["model"]["n_layers"] == SCALE.n_layers and scale["batch_size"] == SCALE_BATCH
+    assert sorted(scale["temp_bytes"]) == ["fp8-hg", "int2-hg", "int4-hg", "int8-hg"]
+    ref = scale["remat_bf16_temp_bytes"]
+    ratios = {n: t / ref for n, t in scale["temp_bytes"].items()}
+    assert all(x < 1.0 for x in ratios.values()), ratios  # the saving shows at this size
+    text = " ".join(results["conclusions"])
+    want = ", ".join(f"{rows[n]['label']} {x:.2f}x" for n, x in ratios.items())
+    assert want in text and "At scale" in text
+    # first among the memory conclusions
+    memory = [c for c in results["conclusions"] if "MB" in c]
+    assert memory[0].startswith("**At scale**")
+    report = (out / "report.md").read_text()
+    assert "## Memory at scale (compile-only)" in report
+    assert f"| {rows['int8-hg']['label']} | " in report.split("## Memory at scale")[1]
+    fig_axes = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path: fig_axes.append(fig.axes))
+    plot_memory(results, tmp_path / "memory.png")
+    first = fig_axes[0][0]
+    assert first.get_title().startswith("At scale")
+    assert [round(b.get_height(), 6) for b in first.patches] == [
+        round(x, 6) for x in ratios.values()]
+
+
+def _with_temps(results, factor):
+    """A copy of ``results`` whose compressed modes' step temp is ``factor`` times the bf16
+    jax.checkpoint scan's."""
+    import copy
+
+    r = copy.deepcopy(results)
+    for row in r["modes"]:
+        if row["status"] == "ok" and row["saved"] not in ("all", "fp8-seed"):
+            row["temp_bytes"] = int(factor * r["remat_bf16_temp_bytes"])
+    r.pop("conclusions", None)
+    return r
+
+
+@pytest.mark.parametrize("factor", [1.2, 0.8])
+def test_report_says_why_small_runs_show_no_saving(quick, tmp_path, monkeypatch, factor):
+    """Where the compressed modes' step needs more temp than the bf16 remat scan's (as at
+    --quick's size), the conclusions and the plot say why, and point at the size where the
+    saving shows; where it does not, they say nothing of the kind."""
+    import matplotlib.figure
+
+    from hifigrad.demo.report import conclusions, plot_memory, small_size_note
+
+    _, _, results, _ = quick
+    r = _with_temps(results, factor)
+    note = small_size_note(r)
+    fig_axes = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path: fig_axes.append(fig.axes))
+    plot_memory(r, tmp_path / "memory.png")
+    title = fig_axes[0][-1].get_title()
+    if factor > 1:
+        assert note in conclusions(r)
+        assert "at this run's size" in note.lower() and f"up to {factor:.2f}x" in note
+        assert "smaller than its fixed costs" in note and "at scale" in note
+        assert "smaller than its fixed costs" in title
+    else:
+        assert note is None
+        assert "fixed costs" not in " ".join(conclusions(r)) and "fixed costs" not in title
 
 
 def test_conclusions_do_not_call_the_plain_scan_a_saving(quick):

@@ -769,7 +769,7 @@ def _flat_closure(fun: Callable, args: tuple, in_tree):
     return fun_flat, box
 
 
-def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
+def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
                tangent_dtype=None, save: str = "inputs",
                backward_slices: int | None = None) -> Callable:
     """Like `jax.checkpoint`, but what it saves for the backward is encoded with `codec`.
@@ -777,7 +777,8 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
     Args:
       fun: the function to checkpoint.
       codec: a codec or its name ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
-        "int2").
+        "int2"), positional or by keyword (``checkpoint(f, "int8")``, as
+        `compress_checkpoints` takes it).
       policy: a `hifigrad.Policy` for the backward (float32 by default).
       tangent_dtype: shorthand for ``Policy(tangent_dtype=...)``.
       save: ``"inputs"`` saves `fun`'s float array inputs encoded and recomputes `fun` from
@@ -809,7 +810,7 @@ def checkpoint(fun: Callable, *, codec, policy: Policy | None = None,
 
     Examples:
       >>> import jax, jax.numpy as jnp, hifigrad as hg
-      >>> f = hg.checkpoint(lambda x: jnp.tanh(x) * 2, codec="int8")
+      >>> f = hg.checkpoint(lambda x: jnp.tanh(x) * 2, "int8")
       >>> jax.grad(lambda x: f(x).sum())(jnp.ones(4)).dtype
       dtype('float32')
       >>> g = hg.checkpoint(lambda x: jax.nn.relu(x), codec="fp8_e4m3", save="residuals")
@@ -882,7 +883,7 @@ def _check_codec_state(codec, codec_state, save: str, where: str):
 
 
 def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = False,
-         unroll: int | bool = 1, *, codec, policy: Policy | None = None,
+         unroll: int | bool = 1, *, codec=None, policy: Policy | None = None,
          tangent_dtype=None, save: str = "inputs", codec_state=None,
          backward_slices: int | None = None):
     """`lax.scan` whose steps save their carry encoded with `codec` and are recomputed in the
@@ -910,7 +911,8 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
       reverse: scan from the end, as in `lax.scan`.
       unroll: as in `lax.scan`.
       codec: a codec or its name ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
-        "int2"), or a `hifigrad.codecs.DelayedFP8Codec` with ``codec_state``.
+        "int2"), or a `hifigrad.codecs.DelayedFP8Codec` with ``codec_state``; required, by
+        keyword (the positions after ``xs`` are `lax.scan`'s).
       policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
       tangent_dtype: shorthand for ``Policy(tangent_dtype=...)``.
       save: ``"inputs"`` or ``"residuals"``, as in `checkpoint`.
@@ -925,8 +927,10 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     Raises:
       ValueError: an unknown codec name or ``save`` mode; ``codec_state`` with
         ``save="residuals"``.
-      TypeError: ``codec`` is neither a name nor a codec; a delayed-scaling codec without
-        ``codec_state``, or ``codec_state`` with a codec that keeps no state; an encoded carry.
+      TypeError: ``codec`` is neither a name nor a codec, or is given positionally (in
+        ``length``'s place: ``codec`` is keyword-only here, after `lax.scan`'s own arguments); a
+        delayed-scaling codec without ``codec_state``, or ``codec_state`` with a codec that
+        keeps no state; an encoded carry.
 
     Examples:
       >>> import jax, jax.numpy as jnp, hifigrad as hg
@@ -937,6 +941,16 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
       >>> jax.grad(loss)(ws).shape
       (3, 4, 4)
     """
+    if isinstance(length, (str, Codec)):
+        # hg.scan(f, init, xs, "int8"): the fourth position is lax.scan's `length`
+        raise TypeError(
+            f"hifigrad.scan: got the codec {length!r} as `length`; hifigrad.scan takes "
+            f"lax.scan's positional arguments (f, init, xs, length, reverse, unroll), so pass "
+            f"the codec by keyword: hifigrad.scan(f, init, xs, codec={length!r}).")
+    if codec is None:
+        raise TypeError("hifigrad.scan: no codec given; pass one by keyword, e.g. "
+                        "hifigrad.scan(f, init, xs, codec='int8') ('none' saves the carry "
+                        "uncompressed).")
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
     save = check_save(save)

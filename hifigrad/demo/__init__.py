@@ -8,7 +8,7 @@ fidelity against float32, loss curves, memory and speed; `write_report` writes t
 ``results.json`` and plots. The command line (``hifigrad demo`` / ``python -m hifigrad demo``) is
 in `hifigrad.demo.cli`.
 
-The demo needs the ``demo`` extra (``pip install 'hifigrad[demo]'``: flax, optax, rich,
+The demo needs the ``demo`` extra (``pip install -e '.[demo]'`` in a clone: flax, optax, rich,
 matplotlib). Its names are imported on first use, so that ``hifigrad --help`` and
 ``hifigrad demo --help`` (which import this package) work on a plain install.
 """

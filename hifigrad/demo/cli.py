@@ -3,7 +3,7 @@ report. Flag errors print one line to stderr and return exit status 2.
 
 ``hifigrad --help`` and ``hifigrad demo --help`` need only hifigrad's own dependencies (jax,
 numpy); running the demo needs the ``demo`` extra. Without it, ``hifigrad demo`` prints one line
-naming ``pip install 'hifigrad[demo]'`` and returns exit status 1."""
+naming how to install it and returns exit status 1."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ PROG = "hifigrad"
 TASKS = ("gpt", "recurrent")
 # What the demo imports beyond hifigrad's own dependencies: the ``demo`` extra of pyproject.toml.
 DEMO_EXTRA = ("flax", "optax", "rich", "matplotlib")
-INSTALL_DEMO = "pip install 'hifigrad[demo]'"
+# (hifigrad is not on PyPI yet: the extra installs from a clone, or its packages by name.)
+INSTALL_DEMO = "pip install -e '.[demo]' in a clone of hifigrad, or pip install " + " ".join(
+    DEMO_EXTRA)
+# The defaults of the flags whose value depends on --task and --quick, as ``demo --help`` shows
+# them (the configurations of `hifigrad.demo.train`, repeated so that ``--help`` needs no optax;
+# a test checks that the two agree): (task, quick) -> (steps, layers).
+CONFIG_DEFAULTS = {("gpt", False): (200, 4), ("gpt", True): (30, 2),
+                   ("recurrent", False): (100, 2), ("recurrent", True): (20, 2)}
 
 
 class UsageError(Exception):
@@ -64,11 +71,31 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(parse(t) for t in items))
 
 
+def _by_config(i: int) -> str:
+    """``(default: ...)`` of a flag whose default depends on --task and --quick."""
+    d = {k: v[i] for k, v in CONFIG_DEFAULTS.items()}
+    return (f"(default: {d['gpt', False]}; with --quick {d['gpt', True]}; with --task "
+            f"recurrent {d['recurrent', False]}, and --quick {d['recurrent', True]})")
+
+
+def _version() -> str:
+    import platform
+
+    import jax
+
+    import hifigrad
+
+    return (f"{PROG} {hifigrad.__version__} (jax {jax.__version__}, Python "
+            f"{platform.python_version()})")
+
+
 def _parser() -> argparse.ArgumentParser:
     from .modes import MODES
 
     p = _Parser(prog=PROG, description="High-fidelity (float32) gradients for JAX models "
                                        "computed in bf16, fp16 or fp8.")
+    p.add_argument("--version", action="version", version=_version(),
+                   help="print hifigrad's version (and JAX's) and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     d = sub.add_parser(
         "demo", help="train a byte-level LM in every precision mode and compare them",
@@ -82,21 +109,25 @@ def _parser() -> argparse.ArgumentParser:
         epilog="modes: " + "; ".join(f"{m.name} ({m.label})" for m in MODES))
     d.add_argument("--task", choices=TASKS, default="gpt",
                    help="the model to train (default: gpt)")
-    d.add_argument("--steps", type=_positive_int, help="training steps per mode")
+    d.add_argument("--steps", type=_positive_int,
+                   help=f"training steps per mode {_by_config(0)}")
     d.add_argument("--modes", default=None,
                    help="comma-separated modes to run, or 'all' (default: all for gpt, the "
                         "precision modes for recurrent), see below")
-    d.add_argument("--layers", type=_positive_int, help="number of blocks")
+    d.add_argument("--layers", type=_positive_int,
+                   help=f"number of blocks {_by_config(1)}")
     d.add_argument("--lengths", type=_lengths,
                    help="recurrent task: comma-separated sequence lengths of the gradient-SQNR "
-                        "sweep, besides the training length (default 128,512,2048; with "
+                        "sweep, besides the training length (default: 128,512,2048; with "
                         "--quick 1024)")
-    d.add_argument("--seed", type=_seed, default=0, help="seed of the init and the batches")
+    d.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the init and the batches (default: 0)")
     d.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
     d.add_argument("--quick", action="store_true",
-                   help="tiny configuration (about a minute on 2 CPU cores)")
+                   help="tiny configuration, about a minute on 2 CPU cores (default: off)")
     d.add_argument("--devices", type=_positive_int, default=1,
-                   help="data-parallel over this many devices (on CPU, simulated devices)")
+                   help="data-parallel over this many devices (on CPU, simulated devices; "
+                        "default: 1)")
     return p
 
 
@@ -184,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version: printed, then argparse exits
+            return e.code if isinstance(e.code, int) else 0
         if args.command is None:
             parser.print_help()
             return 2
@@ -224,7 +258,7 @@ def _run_demo(config, out: Path, argv: list[str]) -> int:
     console.print(f"[bold]hifigrad demo[/] ({config.task}): {len(config.modes)} modes x "
                   f"{config.steps} steps, {config.n_layers} blocks, context {config.seq_len}; "
                   f"{describe_platform()}")
-    with _RichReporter(console) as reporter:
+    with _reporter(console) as reporter:
         results = run(config, reporter)
     command = "hifigrad " + " ".join(shlex.quote(a) for a in argv)
     paths = R.write_report(results, out, command=command)
@@ -272,6 +306,64 @@ def _rich_tables(results, width: int) -> list:
     split = TABLE_COLUMNS.index("saved MB")
     return [table(every[:split], "Gradient fidelity and loss per mode"),
             table([0, *every[split:]], "Memory and speed per mode")]
+
+
+def _reporter(console):
+    """Progress for ``console``: live bars on a terminal; on a pipe or in a log file (where
+    a live display shows nothing until the end), one flushed line per event instead."""
+    if console.is_terminal:
+        return _RichReporter(console)
+    return _LineReporter(console.file)
+
+
+class _LineReporter:
+    """Progress as plain lines, each flushed as it is written: a setup stage, a mode's
+    compile, its training every `CHUNKS`-th of its steps (with the time since its start), its
+    end. For output that is not a terminal (``hifigrad demo > log``, CI)."""
+
+    CHUNKS = 4
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.t0: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        self.clock = time.perf_counter()  # the last event: where the next mode's training starts
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def stage(self, text):
+        self.clock = time.perf_counter()
+        self._line(f"[{PROG} demo] {text}")
+
+    def mode_start(self, mode, steps):
+        self.steps[mode.name] = steps
+
+    def mode_compiled(self, mode, seconds):
+        self.clock = time.perf_counter()
+        self._line(f"[{PROG} demo] {mode.label}: compiled in {seconds:.1f} s")
+
+    def mode_step(self, mode, step):
+        if step == 0:
+            self.t0[mode.name] = self.clock
+        n = self.steps[mode.name]
+        every = max(1, -(-n // self.CHUNKS))
+        if (step + 1) % every == 0 or step + 1 == n:
+            elapsed = time.perf_counter() - self.t0[mode.name]
+            self._line(f"[{PROG} demo] {mode.label}: step {step + 1}/{n} ({elapsed:.1f} s)")
+
+    def mode_end(self, mode, row):
+        self.clock = time.perf_counter()
+        if row["status"] == "ok":
+            self._line(f"[{PROG} demo] {mode.label}: done, {row['step_ms']:.1f} ms/step")
+        else:
+            self._line(f"[{PROG} demo] {mode.label}: {row['status']} ({row['reason']})")
 
 
 def _own_time_column():

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["TABLE_COLUMNS", "conclusions", "table_rows", "write_report"]
+__all__ = ["TABLE_COLUMNS", "conclusions", "small_size_note", "table_rows", "write_report"]
 
 TABLE_COLUMNS = (
     "mode", "SQNR@0 dB", "SQNR dB", "final loss", "Δfinal", "mean|Δ|", "val loss",
@@ -158,6 +158,7 @@ def conclusions(results: dict) -> list[str]:
                    f"for non-finite gradients; final loss scale "
                    f"{ls.get('final_loss_scale', float('nan')):g}.")
 
+    out += _scale_conclusions(results)
     mem = [r for r in ok if r.get("residual_bytes")]
     base = by.get("bf16")
     if mem:
@@ -187,6 +188,9 @@ def conclusions(results: dict) -> list[str]:
                    f"({remat_temp / 2**20:.3g} MB, bf16 backward): " + ", ".join(
                        f"{r['label']} {r['temp_bytes'] / remat_temp:.2f}x" for r in with_temp)
                    + ".")
+        note = small_size_note(results)
+        if note:
+            out.append(note)
     timed = [r for r in ok if _num(r.get("step_ms")) is not None]
     if timed:
         timed.sort(key=lambda r: r["step_ms"])
@@ -198,6 +202,63 @@ def conclusions(results: dict) -> list[str]:
         what = "failed" if r["status"] == "failed" else "was not run"
         out.append(f"{r['label']} {what}: {r['reason']}")
     return out
+
+
+def _compressed_temp_ratios(results: dict) -> list[tuple[dict, float]]:
+    """(row, its step's temp / the bf16 jax.checkpoint scan's) of each compressed mode trained
+    in this run."""
+    remat = results.get("remat_bf16_temp_bytes")
+    if not remat:
+        return []
+    return [(r, r["temp_bytes"] / remat) for r in _ok(results)
+            if r.get("temp_bytes") and r["saved"] not in ("all", "fp8-seed")]
+
+
+def _scale_ratios(results: dict) -> list[tuple[str, str, float]]:
+    """(name, label, temp / the bf16 jax.checkpoint scan's) of each mode of the comparison at
+    scale."""
+    scale = results.get("memory_at_scale") or {}
+    ref = scale.get("remat_bf16_temp_bytes")
+    if not ref:
+        return []
+    labels = {r["name"]: r["label"] for r in results["modes"]}
+    return [(n, labels.get(n, n), t / ref) for n, t in scale["temp_bytes"].items() if t]
+
+
+def _scale_size(scale: dict) -> str:
+    m = scale["model"]
+    return (f"{m['n_layers']} blocks, d_model {m['d_model']}, batch {scale['batch_size']} x "
+            f"{m['seq_len']} tokens")
+
+
+def _scale_conclusions(results: dict) -> list[str]:
+    ratios = _scale_ratios(results)
+    if not ratios:
+        return []
+    scale = results["memory_at_scale"]
+    return [f"**At scale** ({_scale_size(scale)}; compiled, not trained), one training step's "
+            f"peak temp relative to the bf16 jax.checkpoint scan's "
+            f"({scale['remat_bf16_temp_bytes'] / 2**20:.3g} MB): "
+            + ", ".join(f"{label} {x:.2f}x" for _, label, x in ratios) + "."]
+
+
+def small_size_note(results: dict) -> str | None:
+    """Why the compressed modes' step can need more temp than the bf16 jax.checkpoint scan's
+    at the size this run trains, when it does (None otherwise)."""
+    above = [(r, x) for r, x in _compressed_temp_ratios(results) if x > 1.0]
+    if not above:
+        return None
+    cfg = results["config"]
+    s = (f"At this run's size ({cfg['n_layers']} blocks, d_model {cfg['d_model']}, batch "
+         f"{cfg['batch_size']} x {cfg['seq_len']}) the compressed modes' step needs more temp "
+         f"than the bf16 jax.checkpoint scan's (up to {max(x for _, x in above):.2f}x): the "
+         "block inputs a codec shrinks are a small part of it, smaller than its fixed costs "
+         "(float32 gradients and backward buffers, the codec's scale and packing scratch)")
+    ratios = _scale_ratios(results)
+    if ratios:
+        s += (f"; at scale ({_scale_size(results['memory_at_scale'])}) the same modes need "
+              f"{min(x for *_, x in ratios):.2f}-{max(x for *_, x in ratios):.2f}x")
+    return s + " (the transformer memory benchmark, docs/benchmarks.md, sweeps the depth)."
 
 
 def _sweep_conclusions(results: dict) -> list[str]:
@@ -352,8 +413,13 @@ def plot_memory(results: dict, path: Path) -> None:
     beside the uncompressed bf16 ``jax.checkpoint`` scan they are compared with (a reference,
     not a mode: it is never trained, so it has no step or temp figures). Bottom: per mode, the
     whole step's saved residuals and XLA's temp of the compiled gradient, side by side."""
-    fig = _figure(8, 8)
-    top, bottom = fig.subplots(2, 1)
+    ratios = _scale_ratios(results)
+    fig = _figure(8, 11.5 if ratios else 8)
+    if ratios:
+        first, top, bottom = fig.subplots(3, 1, height_ratios=[2.5, 3, 3])
+        _plot_scale(first, results, ratios)
+    else:
+        top, bottom = fig.subplots(2, 1)
     rows = _ok(results)
     mb = 2.0**20
     remat = results.get("remat_bf16_block_residual_bytes")
@@ -389,7 +455,14 @@ def plot_memory(results: dict, path: Path) -> None:
         bottom.axhline(remat_temp / mb, color="black", linestyle="--", linewidth=1,
                        label="XLA temp, bf16 jax.checkpoint scan (reference)")
     bottom.set_ylabel("MB")
-    bottom.set_title("Memory of one training step, per mode", fontsize=9)
+    cfg = results["config"]
+    title = (f"Memory of one training step, per mode, at this run's size ({cfg['n_layers']} "
+             f"blocks, d_model {cfg['d_model']})")
+    if small_size_note(results):
+        title += ("\nhere the compressed modes sit above the dashed line: the activations a "
+                  "codec shrinks are\nsmaller than its fixed costs at this size (see the top "
+                  "panel for a size where they dominate)")
+    bottom.set_title(title, fontsize=8)
     bottom.set_xticks(xs)
     bottom.set_xticklabels([r["label"] for r in rows], rotation=35, ha="right", fontsize=7)
     bottom.legend(fontsize=8)
@@ -397,6 +470,28 @@ def plot_memory(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _plot_scale(ax, results: dict, ratios: list[tuple[str, str, float]]) -> None:
+    """The fair comparison, first: each compressed mode's training-step temp as a ratio to the
+    bf16 jax.checkpoint scan's, at a size where a codec's saving shows."""
+    scale = results["memory_at_scale"]
+    xs = list(range(len(ratios)))
+    bars = ax.bar(xs, [x for *_, x in ratios], 0.6, color="tab:green", edgecolor="black",
+                  linewidth=0.5)
+    for b, (*_, x) in zip(bars, ratios):
+        ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.2f}x", ha="center", va="bottom",
+                fontsize=7)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_ylim(0, max(1.15, max(x for *_, x in ratios) * 1.15))
+    ax.set_ylabel("x the bf16 remat step")
+    ax.set_title(f"At scale: {_scale_size(scale)} (compiled, not trained)\npeak temp of "
+                 f"one training step relative to the bf16 jax.checkpoint scan's "
+                 f"({scale['remat_bf16_temp_bytes'] / 2**20:.0f} MB, the dashed line)",
+                 fontsize=9)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([label for _, label, _ in ratios], rotation=20, ha="right", fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def plot_length_sweep(results: dict, path: Path) -> None:
@@ -466,6 +561,19 @@ def _markdown(results: dict, command: str | None) -> str:
         lines += ["| " + _md_cell(labels.get(name, name)) + " | "
                   + " | ".join(_f(y, ".1f", "non-finite") for y in ys) + " |"
                   for name, ys in sweep["sqnr_db"].items()]
+    scale = results.get("memory_at_scale")
+    ratios = _scale_ratios(results)
+    if ratios:
+        lines += ["", "## Memory at scale (compile-only)", "",
+                  f"The demo's model at {_scale_size(scale)}, each training step compiled "
+                  "from shapes (nothing trained) and its `memory_analysis()` read, beside "
+                  "the bf16 `jax.checkpoint` scan's step "
+                  f"({scale['remat_bf16_temp_bytes'] / 2**20:.1f} MB temp). At the size this "
+                  "run trains, the codecs' saving can be smaller than the step's fixed costs; "
+                  "here the activations dominate:", "",
+                  "| mode | temp MB | x bf16 remat |", "|---|---:|---:|"]
+        lines += [f"| {_md_cell(label)} | {_mb(scale['temp_bytes'][n])} | {x:.2f} |"
+                  for n, label, x in ratios]
     lines += ["", "## Conclusions (computed from the numbers above)", ""]
     lines += [f"- {c}" for c in results["conclusions"]]
     lines += [

@@ -17,6 +17,9 @@ For each mode it records:
   program (``memory_analysis()``; the optimizer update is the same program for every mode and
   is reported once).
 
+Every GPT run also compares, compile-only, the compressed modes' training step with the bf16
+`jax.checkpoint` scan's at a size where a codec's saving shows (`memory_at_scale`, `SCALE`).
+
 `run` is pure apart from what its optional `Reporter` prints.
 """
 
@@ -41,8 +44,8 @@ from . import data as D
 from . import model as M
 from . import modes as MD
 
-__all__ = ["DemoConfig", "QUICK", "RECURRENT", "RECURRENT_QUICK", "TASKS", "Reporter", "run",
-           "saved_residual_bytes"]
+__all__ = ["DemoConfig", "QUICK", "RECURRENT", "RECURRENT_QUICK", "SCALE", "SCALE_BATCH", "TASKS",
+           "Reporter", "memory_at_scale", "run", "saved_residual_bytes"]
 
 
 TASKS = ("gpt", "recurrent")
@@ -130,6 +133,16 @@ RECURRENT = DemoConfig(task="recurrent", modes=MD.PRECISION_MODE_NAMES, steps=10
 RECURRENT_QUICK = dataclasses.replace(
     RECURRENT, steps=20, seq_len=256, eval_every=5, val_batches=2, warmup_steps=5,
     corpus_bytes=1_000_000, sweep_lengths=(1024,), cpu_opt_level=0)
+
+
+# The size of the compile-only memory comparison every GPT run also makes (`memory_at_scale`):
+# the demo's model at 12 blocks, d_model 256, 4 heads, a batch of 32 x 128 tokens (3.4M
+# parameters). At the size a run trains (--quick: 2 blocks, d_model 32) a codec's saving is
+# smaller than the step's fixed costs (float32 gradient buffers, the backward's working set);
+# here the activations the checkpoints hold dominate, as in a real model. Nothing is trained
+# or allocated: each step is compiled from shapes and its memory_analysis() read.
+SCALE = M.ModelConfig(n_layers=12, d_model=256, n_heads=4, seq_len=128)
+SCALE_BATCH = 32
 
 
 class Reporter:
@@ -352,6 +365,13 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         sweep = _length_sweep(cfg, corpus, params0, rows, built,
                               {name: state0 for name, (state0, _) in jobs.items()}, put_batch,
                               at_seq_len, batch0)
+    scale = None
+    if cfg.task == "gpt" and any(_at_scale(n) for n in cfg.modes):
+        rep.stage(f"compiling the compressed modes at scale ({SCALE.n_layers} blocks, d_model "
+                  f"{SCALE.d_model}, batch {SCALE_BATCH} x {SCALE.seq_len}; compile-only)")
+        scale = memory_at_scale([n for n in cfg.modes if _at_scale(n)
+                                 and next(r for r in rows if r["name"] == n)["status"] == "ok"],
+                                cfg.cpu_opt_level)
     update_mem = update.memory_analysis()
     remat_bf16 = saved_residual_bytes(MD.remat_blocks_vjp(mcfg), params0, {},
                                       _block_input(cfg, MD.get_mode("bf16")))
@@ -370,8 +390,49 @@ def run(config: DemoConfig, reporter: Reporter | None = None) -> dict:
         "remat_bf16_temp_bytes": None if remat_mem is None else int(
             remat_mem.temp_size_in_bytes),
         "length_sweep": sweep,
+        "memory_at_scale": scale,
         "wall_s": time.perf_counter() - t_start,
     }
+
+
+def _at_scale(name: str) -> bool:
+    """Whether mode ``name`` is in the comparison at scale: the modes whose scan over blocks
+    saves its carry with a hifigrad codec (what `memory_at_scale` compares with the bf16
+    jax.checkpoint scan)."""
+    saved = MD.get_mode(name).saved
+    return saved not in ("all", "fp8-seed")
+
+
+def memory_at_scale(modes: Sequence[str], cpu_opt_level: int = 1,
+                    model: M.ModelConfig = SCALE, batch_size: int = SCALE_BATCH) -> dict:
+    """Peak temp of one training step of each mode in ``modes`` and of the bf16
+    `jax.checkpoint` scan (`modes.remat_value_and_grad`), on the GPT ``model`` with a batch of
+    ``batch_size``: ``jax.jit(step).lower(shapes).compile().memory_analysis()``, from shapes
+    only (nothing is trained or allocated), compiled in parallel.
+
+    Returns ``{"model", "batch_size", "remat_bf16_temp_bytes", "temp_bytes": {mode: bytes},
+    "compile_s"}``; a byte count is None where the backend reports no memory analysis.
+    """
+    t0 = time.perf_counter()
+    params = jax.eval_shape(lambda: M.init_params(0, model))
+    batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jnp.int32)
+    compiles = _Compiler(cpu_opt_level)
+    ref_job = compiles.submit(MD.remat_value_and_grad(model), params, batch)
+    jobs = {}
+    for name in modes:
+        fns = MD.build(MD.get_mode(name), model)
+        jobs[name] = compiles.submit(fns.value_and_grad, params, fns.init_state(), batch)
+
+    def temp(job):
+        mem = compiles.result(job)[0].memory_analysis()
+        return None if mem is None else int(mem.temp_size_in_bytes)
+
+    out = {"model": dataclasses.asdict(model), "batch_size": batch_size,
+           "remat_bf16_temp_bytes": temp(ref_job),
+           "temp_bytes": {name: temp(job) for name, job in jobs.items()}}
+    compiles.close()
+    out["compile_s"] = time.perf_counter() - t0
+    return out
 
 
 def _length_sweep(cfg: DemoConfig, corpus, params0, rows, built, states, put_batch,
