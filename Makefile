@@ -109,3 +109,15 @@ docs-serve: $(DOCS_STAMP)
 
 gpu-check:
 	OUT=$(or $(OUT),gpu-out) PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh
+
+# The suite on the lent TPU machine (benchmarks/tpu_check.sh): one chunk of it per call, in one
+# process (one program at a time holds the chip), junit per chunk, within a 10-minute call:
+#   make tpu-check TPU_CHUNK=1/3 OUT=$$OUT   (then 2/3, 3/3 in later calls)
+# It uses that machine's own python3 (PYTHON=...) and this source tree (PYTHONPATH), no venv;
+# flax, optax and pytest-timeout come from the machine's own package index. BENCH=1 also runs
+# benchmarks/tpu_bench.py after the suite.
+.PHONY: tpu-check
+
+tpu-check:
+	OUT=$(or $(OUT),tpu-out) PYTHON=$(PYTHON) TPU_CHUNK=$(or $(TPU_CHUNK),1/1) \
+		bash benchmarks/tpu_check.sh
