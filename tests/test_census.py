@@ -392,6 +392,12 @@ def test_api_program_low_precision(name, dname, jit):
 def _check_low_precision(name, dname, jit):
     fun, make = PROGRAMS[name]
     dtype = _DTYPES[dname]
+    if "interp" in name:
+        try:
+            np.finfo(dtype)
+        except ValueError:  # seen with the TPU machine's NumPy and ml_dtypes
+            pytest.skip(f"this NumPy's finfo rejects {dname}, which jnp.interp calls: JAX's own "
+                        "jnp.interp fails alike")
     args = make(dtype)
     diff, rebuild = _diff_split(args)
     grad = hg.grad(lambda *d: fun(*rebuild(d)), argnums=tuple(range(len(diff))))
