@@ -405,8 +405,13 @@ def _check_low_precision(name, dname, jit):
         for g in jax.eval_shape(jax.jit(grad) if jit else grad, *diff):
             assert g.dtype == jnp.float32, g.dtype
         return
-    want = _reference(name, dname, args)
-    got = (jax.jit(grad) if jit else grad)(*diff)
+    try:
+        want = _reference(name, dname, args)
+        got = (jax.jit(grad) if jit else grad)(*diff)
+    except NotImplementedError as e:  # e.g. eig, spsolve: no TPU lowering in JAX itself
+        if "MLIR translation rule for primitive" not in str(e):
+            raise
+        pytest.skip(f"JAX cannot lower this program here: {str(e).splitlines()[0]}")
     for g in got:
         assert g.dtype == jnp.float32, g.dtype
         assert np.all(np.isfinite(np.asarray(g)))
