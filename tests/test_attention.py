@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from platforms import cuda_only, on_cpu, on_cuda, on_tpu
+from platforms import cuda_only, on_cuda, on_tpu
 
 import hifigrad as hg
 from hifigrad._src import compat

@@ -41,8 +41,9 @@ Formats
     128 bytes (``[rows, 128]``, the last row zero-padded). int4 packs two codes per byte, int2
     four, planar within a row (byte ``i`` holds codes ``i`` and ``128 + i``, and for int2 also
     ``256 + i`` and ``384 + i``, low bits first), so that packing never interleaves neighbouring
-    elements of the minor dimension (a costly relayout on a TPU). int8 rounds to nearest by default; int4 and int2
-    round stochastically by default, which is unbiased: ``E[decode(encode(x))] == x``.
+    elements of the minor dimension (a costly relayout on a TPU). int8 rounds to nearest by
+    default; int4 and int2 round stochastically by default, which is unbiased:
+    ``E[decode(encode(x))] == x``.
 
 Memory
 ------
