@@ -16,13 +16,16 @@ if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 
-def pytest_configure(config):
+@pytest.fixture(scope="session", autouse=True)
+def _children_off_the_tpu():
     """On a TPU the suite's own subprocesses (the demo, examples/, fresh-interpreter checks) run
     on the CPU: one program at a time can hold a TPU chip, and this one already does (a second
     stops with libtpu's "multi-process lockfile" error). JAX read JAX_PLATFORMS when it was
-    imported above, so this changes only the children's platform."""
+    imported above, so this changes only the children's platform. (A fixture, not
+    pytest_configure: an xdist controller runs no tests and must not open a device.)"""
     if os.environ.get("JAX_PLATFORMS", "") == "" and jax.default_backend() == "tpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
+    yield
 
 
 def _chunk(spec: str) -> tuple[int, int]:
