@@ -16,17 +16,56 @@ if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 
-def pytest_runtest_setup(item):
-    """`cpu_only` / `cuda_only` tests (tests/platforms.py) are skipped elsewhere, with their
-    reason."""
-    from platforms import on_cpu, on_cuda
+@pytest.fixture(scope="session", autouse=True)
+def _children_off_the_tpu():
+    """On a TPU the suite's own subprocesses (the demo, examples/, fresh-interpreter checks) run
+    on the CPU: one program at a time can hold a TPU chip, and this one already does (a second
+    stops with libtpu's "multi-process lockfile" error). JAX read JAX_PLATFORMS when it was
+    imported above, so this changes only the children's platform. (A fixture, not
+    pytest_configure: an xdist controller runs no tests and must not open a device.)"""
+    if os.environ.get("JAX_PLATFORMS", "") == "" and jax.default_backend() == "tpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    yield
 
-    for name, here in (("cpu_only", on_cpu), ("cuda_only", on_cuda)):
+
+def _chunk(spec: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"HIFIGRAD_TEST_CHUNK must be i/n with 1 <= i <= n, got {spec!r}")
+    return i, n
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """``HIFIGRAD_TEST_CHUNK=i/n`` keeps the i-th of n contiguous slices of the selected tests
+    (in collection order, so a module's fixtures stay within few chunks): `make tpu-check` runs
+    the suite on a TPU in calls of limited length, one chunk per call. Every test is in exactly
+    one chunk, for any n."""
+    spec = os.environ.get("HIFIGRAD_TEST_CHUNK", "").strip()
+    if not spec:
+        return
+    i, n = _chunk(spec)
+    lo, hi = len(items) * (i - 1) // n, len(items) * i // n
+    deselected = items[:lo] + items[hi:]
+    items[:] = items[lo:hi]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+
+
+def pytest_runtest_setup(item):
+    """`cpu_only` / `cuda_only` / `tpu_only` tests (tests/platforms.py) are skipped elsewhere,
+    with their reason."""
+    from platforms import on_cpu, on_cuda, on_tpu
+
+    where = {"cpu_only": "XLA:CPU", "cuda_only": "an NVIDIA GPU", "tpu_only": "a TPU"}
+    for name, here in (("cpu_only", on_cpu), ("cuda_only", on_cuda), ("tpu_only", on_tpu)):
         mark = item.get_closest_marker(name)
         if mark is not None and not here():
             reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
-            where = "XLA:CPU" if name == "cpu_only" else "an NVIDIA GPU"
-            pytest.skip(f"holds only on {where}: {reason}")
+            pytest.skip(f"holds only on {where[name]}: {reason}")
 
 
 @pytest.fixture(autouse=True)

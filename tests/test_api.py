@@ -205,7 +205,8 @@ def test_fp16_underflow_without_loss_scaling(maybe_jit):
         g = maybe_jit(hg.grad(loss, policy=hg.Policy(matmul="exact")))((w1, w2))
     # float64 reference over the fp16 forward values.
     xf, w1f, w2f = (np.asarray(a, np.float64) for a in (x, w1, w2))
-    h = np.asarray(jnp.tanh(x @ w1), np.float64)
+    with highest_precision():  # the forward's fp16 h as in the loss (a TPU's default: bf16 pass)
+        h = np.asarray(jnp.tanh(x @ w1), np.float64)
     gw2 = h.T @ np.full((2, 8), 1e-9)
     gh = np.full((2, 8), 1e-9) @ w2f.T
     gw1 = xf.T @ (gh * (1 - h * h))

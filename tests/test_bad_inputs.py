@@ -146,8 +146,11 @@ def test_complex_intermediates_in_a_bf16_model():
         return jnp.sum(jnp.tanh(y.astype(BF16)).astype(F32) * jnp.arange(8.0, dtype=F32))
 
     g = jax.jit(hg.grad(f))(x)
-    with jax.enable_x64(True):
-        g64 = jax.jit(hg.grad(f, tangent_dtype=jnp.float64))(x)
+    # The float64 reference on the CPU: XLA:TPU has no complex128 FFT ("Unexpected operand type
+    # for FFT: c128"); on CPU hosts this is where it ran anyway.
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True), jax.default_device(cpu):
+        g64 = jax.jit(hg.grad(f, tangent_dtype=jnp.float64))(jax.device_put(x, cpu))
     assert g.dtype == F32
     np.testing.assert_allclose(g, g64, rtol=1e-5, atol=1e-6)
 
@@ -439,6 +442,7 @@ def test_io_callback():
         return jnp.sum(jnp.tanh(x) * y).astype(F32)
 
     g = jax.jit(hg.grad(f))(x)
+    jax.effects_barrier()  # the callback has run (dispatch is asynchronous on a TPU)
     assert len(calls) == 1 and calls[0].dtype == np.dtype(BF16)
     want = jax.jit(jax.grad(f))(x.astype(F32))
     np.testing.assert_allclose(g, want, rtol=2e-2)  # tanh' saved in bf16
@@ -475,6 +479,7 @@ def test_callbacks_in_a_backward_run_at_their_declared_dtypes():
         f = lambda x: jnp.sum(double_ct(jnp.tanh(x)) * 3).astype(F32)
         x = jnp.array([0.25, 0.5], BF16)
         g = jax.jit(hg.grad(f))(x)
+        jax.effects_barrier()  # the callback has run (dispatch is asynchronous on a TPU)
         assert g.dtype == F32 and seen[-1] == np.dtype(BF16)
         np.testing.assert_allclose(g, jax.grad(f)(x).astype(F32), rtol=2e-2)
 

@@ -392,6 +392,12 @@ def test_api_program_low_precision(name, dname, jit):
 def _check_low_precision(name, dname, jit):
     fun, make = PROGRAMS[name]
     dtype = _DTYPES[dname]
+    if "interp" in name:
+        try:
+            np.finfo(dtype)
+        except ValueError:  # seen with the TPU machine's NumPy and ml_dtypes
+            pytest.skip(f"this NumPy's finfo rejects {dname}, which jnp.interp calls: JAX's own "
+                        "jnp.interp fails alike")
     args = make(dtype)
     diff, rebuild = _diff_split(args)
     grad = hg.grad(lambda *d: fun(*rebuild(d)), argnums=tuple(range(len(diff))))
@@ -399,8 +405,13 @@ def _check_low_precision(name, dname, jit):
         for g in jax.eval_shape(jax.jit(grad) if jit else grad, *diff):
             assert g.dtype == jnp.float32, g.dtype
         return
-    want = _reference(name, dname, args)
-    got = (jax.jit(grad) if jit else grad)(*diff)
+    try:
+        want = _reference(name, dname, args)
+        got = (jax.jit(grad) if jit else grad)(*diff)
+    except NotImplementedError as e:  # e.g. eig, spsolve: no TPU lowering in JAX itself
+        if "MLIR translation rule for primitive" not in str(e):
+            raise
+        pytest.skip(f"JAX cannot lower this program here: {str(e).splitlines()[0]}")
     for g in got:
         assert g.dtype == jnp.float32, g.dtype
         assert np.all(np.isfinite(np.asarray(g)))

@@ -7,7 +7,6 @@ TF32, and operands that differ by a reordered float32 sum can round to TF32 valu
 (on CPU the context changes nothing).
 """
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +14,8 @@ import pytest
 from platforms import highest_precision
 
 import hifigrad as hg
+
+eqx = pytest.importorskip("equinox", reason="equinox is not installed")
 
 
 class _Net(eqx.Module):
