@@ -324,8 +324,8 @@ def test_random_blocks_sliced_equal_unsliced():
             g = jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)
             want = jax.grad(lambda w, x: jnp.sum(jnp.sin(block(w, x))), argnums=(0, 1))(w, x)
         # Norm-wise: elementwise, LayerNorm's backward cancels to a few float32 ulps of its
-        # largest terms, which jit and eager round differently (1e-5 measured); a wrong slicing is off by
-        # 1e-2 or more (the classes above).
+        # largest terms, which jit and eager round differently (1e-5 measured); a wrong
+        # slicing is off by 1e-2 or more (the classes above).
         for a, b in zip(g, want):
             err = np.linalg.norm(np.asarray(a) - b) / max(np.linalg.norm(b), 1e-30)
             assert err < 1e-4, (ops, report, err)

@@ -332,7 +332,7 @@ def is_zero(v, producer) -> bool:
 def _sum_axes(eqn, axes, producer, constant_along, fail):
     """The axes of an equation with an operand that is a sum over the batch (`SUM`): a sum
     stays one through additive maps only (see the module docstring)."""
-    name, p = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     n_out = len(eqn.outvars)
 
     def sum_or_zero(i):
@@ -440,8 +440,9 @@ def check_backward(jaxpr, in_axes: Sequence, batch: int,
             raise NotSeparable(f"the cotangent of batched input {i} is not batched along "
                                f"its leading axis (axis {a})")
         if not b and a is not SUM:
+            what = "batched" if a is not None else "independent of the batch"
             raise NotSeparable(f"the cotangent of unbatched input {i} is not a sum over the "
-                               f"batch's rows ({'batched' if a is not None else 'independent of the batch'})")
+                               f"batch's rows ({what})")
     return record
 
 
