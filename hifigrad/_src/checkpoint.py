@@ -249,9 +249,19 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
     the reason it is not, naming the equation that stopped it (a reduction over the batch,
     a custom rule whose backward mixes rows, a program that depends on the batch size, ...).
 
+    Args:
+      fun: what to trace, usually the gradient function (``jax.grad(loss)``); the
+        decision is made when a checkpoint is called, so ``loss`` itself tells the same.
+      *args: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A list of strings, one per checkpoint traced.
+
     Examples:
       >>> import jax, jax.numpy as jnp, hifigrad as hg
-      >>> f = hg.checkpoint(lambda x: x - x.mean(0), codec="int8", backward_slices=4)
+      >>> f = hg.checkpoint(lambda x: x - x.mean(0, keepdims=True), codec="int8",
+      ...                   backward_slices=4)
       >>> hg.slice_report(jax.grad(lambda x: f(x).sum()), jnp.ones((2048, 4)))
       ['the forward mixes rows of the batch: reduce_sum: reduces over the batch axis']
     """
