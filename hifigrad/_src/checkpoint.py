@@ -348,15 +348,20 @@ def _backward_program(fun, args, out_avals, is_float, policy: Policy):
     n = len(args)
 
     def bwd(*xs):
-        it = iter(xs[n:])
-        cts = [next(it) if f else np.zeros(a.shape, jax.dtypes.float0)
-               for a, f in zip(out_avals, is_float)]
         _, vjp_fn = _vjp(lambda *a: fun(*a), tuple(xs[:n]), False, policy, PROMOTE)
-        return vjp_fn(cts)
+        return vjp_fn(_all_cts(xs[n:], out_avals, is_float))
 
     cts = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, f in zip(out_avals, is_float) if f]
     jaxpr, consts, tree = compat.make_jaxpr_closed(bwd, *args, *cts)
     return (*compat.dce(jaxpr, consts), tree)
+
+
+def _all_cts(float_cts, out_avals, is_float) -> list:
+    """One cotangent per output: the float outputs' `float_cts` in order, float0 zeros for
+    the others."""
+    it = iter(float_cts)
+    return [next(it) if f else np.zeros(a.shape, jax.dtypes.float0)
+            for a, f in zip(out_avals, is_float)]
 
 
 def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
@@ -394,9 +399,7 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
         a_sl, c_sl = xs
         it = iter(a_sl)
         full = [next(it) if e else a for a, e in zip(args, batched)]
-        it = iter(c_sl)
-        cts_sl = [next(it) if f else np.zeros(a.shape, jax.dtypes.float0)
-                  for a, f in zip(out_avals, is_float)]
+        cts_sl = _all_cts(c_sl, out_avals, is_float)
         _, vjp_fn = _vjp(lambda *a: fun_k(*a), (*full, *consts), False, policy, PROMOTE)
         cts_in = _freeing_first(vjp_fn, tree_unflatten(ct_tree, cts_sl))
         acc = {i: acc[i] + cts_in[i].astype(acc[i].dtype) for i in acc}

@@ -124,6 +124,11 @@ def _shape(v):
     return tuple(v.aval.shape)
 
 
+def _producers(jaxpr) -> dict:
+    """The equation that makes each variable of `jaxpr`."""
+    return {v: e for e in jaxpr.eqns for v in e.outvars if not compat.is_dropvar(v)}
+
+
 def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
                record: Axes | None = None) -> list:
     """The batch axis of each of `jaxpr`'s outputs (None: independent of the batched inputs),
@@ -138,7 +143,7 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
     env: dict = {v: a for v, a in zip(jaxpr.invars, in_axes)}
     for v, a in env.items():
         record._put(record.of, v, a)
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars if not compat.is_dropvar(v)}
+    producer = _producers(jaxpr)
 
     def axis(v):
         return None if compat.is_literal(v) else env.get(v)
@@ -166,7 +171,7 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
         elif name == "cond":
             out_axes = _cond_axes(eqn, axes, batch, sums, record, fail)
         elif any(a is SUM for a in axes):
-            out_axes = _sum_axes(eqn, axes, producer, constant_along, fail)
+            out_axes = _sum_axes(eqn, axes, producer, fail)
         elif name == "optimization_barrier":
             out_axes = list(axes)
         elif name in ELEMENTWISE:
@@ -250,20 +255,6 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
     return [axis(v) for v in jaxpr.outvars]
 
 
-_PRODUCERS: dict = {}
-
-
-def _producers(jaxpr) -> dict:
-    key = id(jaxpr)
-    hit = _PRODUCERS.get(key)
-    if hit is None or hit[0] is not jaxpr:
-        hit = (jaxpr, {v: e for e in jaxpr.eqns for v in e.outvars if not compat.is_dropvar(v)})
-        if len(_PRODUCERS) > 512:
-            _PRODUCERS.clear()
-        _PRODUCERS[key] = hit
-    return hit[1]
-
-
 def _constant_along(v, a, producer, outer, record) -> bool:
     """Whether `v`, which depends on no batched input, is constant along its axis `a`: made
     by broadcasts (along `a`), iotas (along another axis) and elementwise ops of such values,
@@ -329,7 +320,7 @@ def is_zero(v, producer) -> bool:
         v = eqn.invars[0]
 
 
-def _sum_axes(eqn, axes, producer, constant_along, fail):
+def _sum_axes(eqn, axes, producer, fail):
     """The axes of an equation with an operand that is a sum over the batch (`SUM`): a sum
     stays one through additive maps only (see the module docstring)."""
     name = eqn.primitive.name
@@ -430,7 +421,7 @@ def check_backward(jaxpr, in_axes: Sequence, batch: int,
     `NotSeparable` naming the equation or output that forbids it."""
     record = Axes()
     outs = batch_axes(jaxpr, in_axes, batch, sums=True, record=record)
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars if not compat.is_dropvar(v)}
+    producer = _producers(jaxpr)
     for i, (v, a, b) in enumerate(zip(jaxpr.outvars, outs, out_batched)):
         if not compat.is_literal(v) and v.aval.dtype == _FLOAT0:
             continue
