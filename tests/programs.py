@@ -1273,6 +1273,13 @@ def _(x):
             + s.multigammaln(p + 1, 2) * 0.1 + lax.lgamma(p) + lax.digamma(p))
 
 
+XFAIL["scipy_special_gamma_family"] = (
+    lambda version, dtype, jit: version[:3] == (0, 11, 1) and dtype == "fp16" and jit,
+    "jaxlib 0.11.1's XLA CPU miscompiles this fp16 program under jit: JAX's own fp16 jax.grad "
+    "gives the same wrong value (-2.215 for -1.052 at x=-0.69, betaln + multigammaln); eager, "
+    "bf16 and jax 0.10.2/0.11.0/0.11.2/0.12.x are right")
+
+
 @op("scipy_special_incomplete", (3, 4))
 def _(x):
     s = jax.scipy.special
