@@ -541,3 +541,92 @@ def test_sliced_backward_memory_and_gradients_equal_hg_scans():
     assert temp["cc"] == temp["hg.scan"], temp
     assert temp["cc"] < temp["remat"], temp
     _close(jax.jit(steps["cc"])(p, x), jax.jit(steps["hg.scan"])(p, x), rtol=0)
+
+
+def _llama_style_block(heads):
+    """A block written as MaxText writes its llama decoder layer: RMSNorm, RoPE from integer
+    `positions` [B, T], a causal mask combined with integer `segment_ids` [B, T], named
+    activations (`checkpoint_name`), sharding constraints on a one-device mesh, the
+    (B, T, D) -> (B*T, D) -> (B, T, D) reshape around the MLP, a float `tril` mask."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def constrain(v):
+        spec = P("data", *([None] * (v.ndim - 1)))
+        return jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
+
+    def block(carry, p):
+        x, positions, segment_ids = carry
+        b, t, d = x.shape
+        dh = d // heads
+
+        def rms(v):
+            v32 = v.astype(jnp.float32)
+            return (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, -1, keepdims=True) + 1e-6)
+                    ).astype(v.dtype)
+
+        def rope(v):  # v: [b, t, heads, dh]
+            freq = 1.0 / (10000.0 ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+            ang = positions.astype(jnp.float32)[:, :, None, None] * freq[None, None, None]
+            v1, v2 = jnp.split(v.astype(jnp.float32), 2, axis=-1)
+            c, s = jnp.cos(ang), jnp.sin(ang)
+            return jnp.concatenate([v1 * c - v2 * s, v2 * c + v1 * s], -1).astype(v.dtype)
+
+        h = constrain(rms(x))
+        q = checkpoint_name(rope((h @ p["wq"]).reshape(b, t, heads, dh)), "query")
+        k = checkpoint_name(rope((h @ p["wk"]).reshape(b, t, heads, dh)), "key")
+        v = checkpoint_name((h @ p["wv"]).reshape(b, t, heads, dh), "value")
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(dh ** -0.5, x.dtype)
+        causal = jnp.tril(jnp.ones((t, t), x.dtype))
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = jnp.logical_and(causal[None] > 0, same)[:, None]
+        s = jnp.where(mask, s, jnp.asarray(-1e9 if x.dtype == jnp.float32 else -3e38, s.dtype))
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+        x = constrain(x + checkpoint_name(o @ p["wo"], "attn_out"))
+        h = rms(x).reshape(b * t, d)
+        m = jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])
+        x = constrain(x + checkpoint_name(m @ p["w2"], "mlp").reshape(b, t, d))
+        return (x, positions, segment_ids), None
+    return block
+
+
+def _llama_params(n, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    f = 2 * d
+    shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, f),
+              "w3": (d, f), "w2": (f, d)}
+    return {k: jnp.asarray(rng.normal(size=(n, *s)) / np.sqrt(s[0]), dtype)
+            for k, s in shapes.items()}
+
+
+def _llama_loss(block):
+    def loss(p, x, positions, segment_ids):
+        layer = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        y = jax.lax.scan(layer, (x, positions, segment_ids), p)[0][0]
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+    return loss
+
+
+def _llama_args(dtype, b=16, t=128, d=64, n=2):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(b, t, d)), dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    segment_ids = jnp.asarray(np.repeat(np.arange(b * 2) % 3, t // 2).reshape(b, t), jnp.int32)
+    return _llama_params(n, d, dtype), x, positions, segment_ids
+
+
+def test_maxtext_style_blocks_slice_and_equal_the_unsliced_backward(maybe_jit):
+    """Names, sharding constraints, integer positions and segment ids (sliced with the
+    batch), a reshape that merges the batch axis and a float tril mask: the compressed
+    checkpoints' float32 backward runs in slices, and with ``codec="none"`` its gradients
+    are `jax.grad`'s of the same float32 model (float32 rounding of sums reordered: RTOL)."""
+    loss = _llama_loss(_llama_style_block(2))
+    args = _llama_args(jnp.float32)
+    cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
+    report = hg.slice_report(jax.grad(cc), *args)
+    assert report == ["sliced: 4 slices of 4 rows"] * len(report) and report, report
+    with highest_precision():
+        got = maybe_jit(hg.grad(cc))(*args)
+        want = maybe_jit(jax.grad(loss))(*args)
+    _close(got, want, rtol=1e-5)

@@ -185,22 +185,31 @@ AUTO_SLICES = 4
 MIN_SLICE_ROWS = 512
 
 
-def _batched(encode, args) -> tuple[bool, ...]:
+def _batched(encode, args, integers: bool = True) -> tuple[bool, ...]:
     """Which inputs are sliced along their leading (batch) axis: the encoded ones of at least
     two axes whose leading axis is as long as the largest encoded input's (the activations;
-    `hg.checkpoint` also encodes parameters passed as arguments, which are not sliced). Any
-    choice is safe: the analysis only accepts a block whose rows follow this choice."""
+    `hg.checkpoint` also encodes parameters passed as arguments, which are not sliced), and,
+    with `integers`, the integer and bool inputs whose leading axis is that long too (token
+    positions, segment ids, labels: [B, T] int32 rows that go with the activations' rows).
+    Any choice is safe: the analysis only accepts a block whose rows follow this choice."""
     acts = [a for a, e in zip(args, encode) if e and np.ndim(a) >= 2]
     if not acts:
         return (False,) * len(args)
     batch = np.shape(max(acts, key=np.size))[0]
-    return tuple(bool(e) and np.ndim(a) >= 2 and np.shape(a)[0] == batch
+
+    def integer(a):
+        dt = jnp.result_type(a)
+        return integers and np.ndim(a) >= 1 and (jnp.issubdtype(dt, jnp.integer)
+                                                 or jnp.issubdtype(dt, jnp.bool_))
+
+    return tuple((bool(e) and np.ndim(a) >= 2 or integer(a)) and np.shape(a)[0] == batch
                  for a, e in zip(args, encode))
 
 
 def _slice_count(slices, policy: Policy, batched_mask, args) -> int:
-    """How many batch slices the recomputed backward runs in (1: all at once)."""
-    batched = [a for a, b in zip(args, batched_mask) if b]
+    """How many batch slices the recomputed backward runs in (1: all at once), from the
+    batched float inputs (the activations)."""
+    batched = [a for a, b in zip(args, batched_mask) if b and is_float_array(a)]
     if not batched:
         return 1
     if slices is None:
@@ -285,15 +294,30 @@ def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, s
     the block traced at 1/k of the batch is that same program, forward and backward (closing
     over the same values). Else None: at once.
     """
-    from .separable import Axes, NotSeparable, batch_axes, check_backward, same_program
-
     if save != "inputs":
         return None, f'save="{save}" recomputes nothing: its backward runs at once'
-    batched = _batched(encode, flat)
-    k = _slice_count(slices, policy, batched, flat)
+    choices = [_batched(encode, flat)]
+    if _batched(encode, flat, integers=False) != choices[0]:
+        # Integer inputs as long as the batch are tried sliced with it first; a block that
+        # uses one otherwise (a count, a table) may still slice its float rows alone.
+        choices.append(_batched(encode, flat, integers=False))
+    k = _slice_count(slices, policy, choices[0], flat)
     if k <= 1:
         return None, ("one slice asked for or chosen (a backward no wider than the saved "
                       "activations, or fewer than 2 x 512 rows)")
+    first = None
+    for batched in choices:
+        plan, why = _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy)
+        if plan is not None:
+            return plan, why
+        first = why if first is None else first
+    return None, first
+
+
+def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: Policy):
+    """`_slice_decision` for one choice of batched inputs and slice count `k`."""
+    from .separable import Axes, NotSeparable, batch_axes, check_backward, same_program
+
     batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
     sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
                                    jnp.result_type(x)) if b else x
@@ -403,14 +427,15 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
         _, vjp_fn = _vjp(lambda *a: fun_k(*a), (*full, *consts), False, policy, PROMOTE)
         cts_in = _freeing_first(vjp_fn, tree_unflatten(ct_tree, cts_sl))
         acc = {i: acc[i] + cts_in[i].astype(acc[i].dtype) for i in acc}
-        return acc, [cts_in[i] for i, e in enumerate(batched) if e]
+        return acc, [cts_in[i] for i in rows_out]
 
+    # The batched float inputs' cotangent rows (an integer input's is float0: made whole).
+    rows_out = [i for i, e in enumerate(batched) if e and is_float_array(args[i])]
     acc0 = {i: jnp.zeros(np.shape(x), acc_dtype[i]) for i, x in others if i in acc_dtype}
     acc, ys = lax.scan(body, acc0, (xs_args, xs_cts))
-    it = iter(ys)
+    rows = {i: jnp.swapaxes(y, 0, 1).reshape(np.shape(args[i])) for i, y in zip(rows_out, ys)}
     return tuple(
-        jnp.swapaxes(next(it), 0, 1).reshape(np.shape(x)) if i < len(batched) and batched[i]
-        else acc[i] if i in acc
+        rows[i] if i in rows else acc[i] if i in acc
         else np.zeros(np.shape(x), jax.dtypes.float0)
         for i, x in enumerate((*args, *consts)))
 

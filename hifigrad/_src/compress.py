@@ -36,7 +36,6 @@ statistics, RNG counts) are written back to the caller's objects, as `nnx.grad` 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -162,24 +161,19 @@ class _Rewriter:
 # `checkpoint` runs a recomputed block's backward in slices of its batch when the block,
 # traced at the slice's size, is provably the same program (separable.py). A block here is a
 # jaxpr traced at the full batch, so it is evaluated at a slice by re-binding each equation
-# with its shape params divided along the batch axis: `_resize_plan` finds, from the jaxpr,
-# which axis of each value is the batch axis (a batched value's, or a batch-independent value
-# that meets one, such as a broadcast mask: made at the slice's size where it is made), and
-# which equations' params change. Anything it does not know (gathers, loops, a custom_jvp
-# function such as jax.nn.relu, whose JVP JAX holds traced at the full batch) raises
-# `_Unresizable`; the block then runs at its full size only (checkpoint's backward at once).
-# Its rules are separable.py's (the analysis that decides whether a block's backward may run
-# in slices), with one difference: a batch-independent operand that meets the batch axis is
-# made at the slice's size instead of only checked constant along it.
+# with its shape params divided along the batch axis. Which axis of each value is the batch
+# axis is what `separable.batch_axes` finds (one analysis for both): a batched value's, or
+# the axis at which a batch-independent value meets the batch (a broadcast mask, an iota),
+# which is made at the slice's size where it is made. jit calls, conditionals and nested
+# checkpoints are re-traced at the slice's size; a custom_jvp / custom_vjp function on
+# batched values (JAX holds its rule traced at the full batch) and anything the analysis
+# rejects raise `_Unresizable`, and the block then runs at its full size only (checkpoint's
+# backward at once). Whatever is built here is checked again by `checkpoint`: the analysis
+# of the whole block and `separable.same_program` against the program at the slice's size.
 
 
 class _Unresizable(Exception):
     pass
-
-
-# A custom_jvp call is not among them: JAX holds its JVP rule as a thunk memoized at the
-# avals of its first trace (the full batch), so the rule cannot be re-traced at a slice.
-_RESIZE_CALLS = frozenset(p for p in (compat.pjit_p, compat.closed_call_p) if p)
 
 
 def _shape(v):
@@ -191,176 +185,41 @@ def _sub_jaxpr(eqn):
         next(eqn.params[k] for k in ("jaxpr", "call_jaxpr") if k in eqn.params))
 
 
-def _resize_plan(jaxpr, in_axes) -> tuple[dict, dict]:
-    """(axis of each resized variable, {equation index: sub-plan or None}) of `jaxpr` with its
-    inputs resized along `in_axes` (an axis or None per input)."""
-    axes: dict = {v: a for v, a in zip(jaxpr.invars, in_axes) if a is not None}
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars
-                if not compat.is_dropvar(v)}
-    subplans: dict = {}
-    demanded: list = []
-
-    def ax(v):
-        return None if compat.is_literal(v) else axes.get(v)
-
-    def demand(u, a):
-        """`u`, which depends on no resized input, meets the batch axis at its axis `a`."""
-        if compat.is_literal(u) or not _shape(u) or _shape(u)[a] == 1:
-            return
-        if u in axes:
-            if axes[u] != a:
-                raise _Unresizable("a value meets the batch axis at two axes")
-            return
-        if u not in producer:
-            raise _Unresizable("a batch-sized input or constant that is not sliced")
-        axes[u] = a
-        demanded.append(u)
-
-    def set_out(eqn, a):
-        for v in eqn.outvars:
-            if not compat.is_dropvar(v):
-                axes[v] = a
-
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [ax(v) for v in eqn.invars]
-        if all(a is None for a in ins):
-            continue
-        name, p = eqn.primitive.name, eqn.params
-        if eqn.primitive in _RESIZE_CALLS:
-            sub, _ = _sub_jaxpr(eqn)
-            n = len(sub.invars)
-            sub_axes, sub_plans = _resize_plan(sub, ins[len(ins) - n:])
-            # demands inside on the sub-jaxpr's inputs are demands on the operands
-            for v, sv in zip(eqn.invars[len(ins) - n:], sub.invars):
-                if sv in sub_axes and ax(v) is None:
-                    demand(v, sub_axes[sv])
-            subplans[i] = (sub_axes, sub_plans)
-            for v, sv in zip(eqn.outvars, sub.outvars):
-                a = None if compat.is_literal(sv) else sub_axes.get(sv)
-                if a is not None and not compat.is_dropvar(v):
-                    axes[v] = a
-            continue
-        marked = {a for a in ins if a is not None}
-        if name in separable.ELEMENTWISE or name == "concatenate":
-            if len(marked) != 1:
-                raise _Unresizable(f"{name}: operands resized along different axes")
-            (a,) = marked
-            if name == "concatenate" and p["dimension"] == a:
-                raise _Unresizable("concatenates along the batch axis")
-            out_shape = _shape(eqn.outvars[0])
-            for v, b in zip(eqn.invars, ins):
-                if b is None and (name == "concatenate" or _shape(v) == out_shape):
-                    demand(v, a)
-            set_out(eqn, a)
-        elif name == "broadcast_in_dim":
-            if any(a is not None for a in ins[1:]):
-                raise _Unresizable("a resized dynamic shape")
-            set_out(eqn, tuple(p["broadcast_dimensions"])[ins[0]])
-        elif name == "transpose":
-            set_out(eqn, tuple(p["permutation"]).index(ins[0]))
-        elif name == "squeeze":
-            dims = tuple(p["dimensions"])
-            if ins[0] in dims:
-                raise _Unresizable("squeezes the batch axis")
-            set_out(eqn, ins[0] - sum(d < ins[0] for d in dims))
-        elif name == "reshape":
-            if any(a is not None for a in ins[1:]):
-                raise _Unresizable("a resized dynamic shape")
-            a, shape, new = ins[0], _shape(eqn.invars[0]), tuple(p["new_sizes"])
-            pre = math.prod(shape[:a])
-            js = [j for j in range(len(new)) if math.prod(new[:j]) == pre
-                  and new[j] % shape[a] == 0 and math.prod(new[j:]) == math.prod(shape[a:])]
-            if not js:
-                raise _Unresizable("a reshape that splits the batch axis")
-            set_out(eqn, js[0])
-        elif name in separable.REDUCTIONS:
-            red = tuple(p["axes"])
-            if len(marked) != 1 or ins[0] in red:
-                raise _Unresizable("reduces over the batch axis")
-            set_out(eqn, ins[0] - sum(d < ins[0] for d in red))
-        elif name in separable.CUMULATIVE or name in ("split", "pad"):
-            a = ins[0]
-            if (name in separable.CUMULATIVE or name == "split") and p["axis"] == a:
-                raise _Unresizable(f"{name} along the batch axis")
-            if name == "pad" and (ins[1] is not None
-                                   or tuple(p["padding_config"][a]) != (0, 0, 0)):
-                raise _Unresizable("pads along the batch axis")
-            set_out(eqn, a)
-        elif name == "slice":
-            a, n = ins[0], _shape(eqn.invars[0])[ins[0]]
-            strides = p.get("strides") or (1,) * len(_shape(eqn.invars[0]))
-            if (p["start_indices"][a], p["limit_indices"][a], strides[a]) != (0, n, 1):
-                raise _Unresizable("slices the batch axis")
-            set_out(eqn, a)
-        elif name == "dot_general":
-            set_out(eqn, _dot_out_axis(eqn, ins, demand))
-        else:
-            raise _Unresizable(f"no resizing rule for {name}")
-
-    # Batch-independent values that meet the batch axis are made at the slice's size where
-    # they are made: walk back to the broadcast or iota that creates the axis.
-    while demanded:
-        u = demanded.pop()
-        a = axes[u]
-        eqn = jaxpr.eqns[producer[u]]
-        name = eqn.primitive.name
-        if name == "broadcast_in_dim":
-            dims = tuple(eqn.params["broadcast_dimensions"])
-            if a in dims:
-                demand(eqn.invars[0], dims.index(a))
-        elif name == "iota":
-            if eqn.params["dimension"] == a:
-                raise _Unresizable("an iota along the batch axis")
-        elif name in separable.ELEMENTWISE:
-            for v in eqn.invars:
-                if not compat.is_literal(v) and _shape(v) == _shape(u):
-                    demand(v, a)
-        elif name == "transpose":
-            demand(eqn.invars[0], tuple(eqn.params["permutation"])[a])
-        else:
-            raise _Unresizable(f"a batch-sized value made by {name}")
-    return axes, subplans
-
-
-def _dot_out_axis(eqn, ins, demand) -> int:
-    """separable's dot_general rule, where a batch-independent operand that meets the batch
-    axis is demanded at the slice's size instead of checked constant along it."""
-    def constant_along(v, a):
-        demand(v, a)
-        return True
-
-    def fail(eqn, why):
-        raise _Unresizable(f"{eqn.primitive.name}: {why}")
-
-    return separable.dot_axis(eqn, ins, constant_along, fail)
-
-
 @functools.lru_cache(maxsize=256)
-def _cached_plan(jaxpr, in_axes: tuple):
-    return _resize_plan(jaxpr, in_axes)
+def _resize_plan(jaxpr, in_axes: tuple, batch: int) -> separable.Axes:
+    """The batch axis of each variable of `jaxpr` (nested jaxprs' included) with its inputs
+    batched along `in_axes` (an axis or None per input), a batch axis `batch` rows long."""
+    record = separable.Axes()
+    try:
+        separable.batch_axes(jaxpr, list(in_axes), batch, record=record)
+    except separable.NotSeparable as e:
+        raise _Unresizable(str(e)) from None
+    return record
 
 
-def _resized_params(eqn, axes: dict, k: int) -> dict | None:
+def _resized_params(eqn, axes: separable.Axes, k: int) -> dict | None:
     """`eqn`'s params with its output's batch axis `k` times shorter (None: unchanged)."""
     outs = [v for v in eqn.outvars if not compat.is_dropvar(v)]
-    a = axes.get(outs[0]) if outs else None
+    a = axes.batch_axis(outs[0]) if outs else None
     if a is None:
         return None
     name = eqn.primitive.name
-    key = {"broadcast_in_dim": "shape", "iota": "shape", "reshape": "new_sizes"}.get(name)
-    if key is not None:
-        shape = list(eqn.params[key])
-        shape[a] //= k
-        return dict(eqn.params, **{key: tuple(shape)})
-    if name == "slice":
-        limit = list(eqn.params["limit_indices"])
-        limit[a] //= k
-        return dict(eqn.params, limit_indices=tuple(limit))
-    return None
+    key = {"broadcast_in_dim": "shape", "iota": "shape", "reshape": "new_sizes",
+           "slice": "limit_indices"}.get(name)
+    if key is None:
+        return None
+    shape = list(eqn.params[key])
+    shape[a] //= k
+    return dict(eqn.params, **{key: tuple(shape)})
 
 
-def _eval_resized(jaxpr, consts, args, plan, k: int) -> list:
-    axes, subplans = plan
+def _involved(eqn, axes: separable.Axes) -> bool:
+    """Whether an equation takes or makes a value with a batch axis."""
+    return any(not compat.is_literal(v) and axes.batch_axis(v) is not None
+               for v in (*eqn.invars, *eqn.outvars) if not compat.is_dropvar(v))
+
+
+def _eval_resized(jaxpr, consts, args, axes: separable.Axes, k: int) -> list:
     env: dict = {}
 
     def read(v):
@@ -368,30 +227,47 @@ def _eval_resized(jaxpr, consts, args, plan, k: int) -> list:
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    for i, eqn in enumerate(jaxpr.eqns):
+    for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if i in subplans:
-            outs = _eval_resized_call(eqn, invals, subplans[i], k)
+        if compat.jaxprs_in_params(eqn.params) and _involved(eqn, axes):
+            outs = _eval_resized_nested(eqn, invals, axes, k)
         else:
             outs = compat.bind_eqn(eqn, invals, _resized_params(eqn, axes, k))
         env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_resized_call(eqn, invals, subplan, k: int) -> list:
-    """A jit call, re-bound with its jaxpr traced at the slice's size (the same equation, so
-    that the sliced block is the same program)."""
-    sub, sub_consts = _sub_jaxpr(eqn)
-    n = len(sub.invars)
-    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
-    closed = jax.make_jaxpr(lambda *a: _eval_resized(sub, sub_consts, a, subplan, k))(
-        *invals[len(invals) - n:])
-    return compat.bind_eqn(eqn, invals, dict(eqn.params, **{key: closed}))
+def _retrace(closed, axes, k, args):
+    jaxpr, consts = compat.jaxpr_and_consts(closed)
+    return jax.make_jaxpr(lambda *a: _eval_resized(jaxpr, consts, a, axes, k))(*args)
+
+
+def _eval_resized_nested(eqn, invals, axes: separable.Axes, k: int) -> list:
+    """An equation holding jaxprs, at the slice's size: a jit call or a conditional re-bound
+    with its jaxprs re-traced at that size (the same equation, so that the sliced block is
+    the same program), a nested checkpoint re-staged."""
+    prim = eqn.primitive
+    if prim in (compat.pjit_p, compat.closed_call_p):
+        sub, _ = _sub_jaxpr(eqn)
+        n = len(sub.invars)
+        key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+        closed = _retrace(eqn.params[key], axes, k, invals[len(invals) - n:])
+        return compat.bind_eqn(eqn, invals, dict(eqn.params, **{key: closed}))
+    if prim is compat.cond_p:
+        branches = tuple(_retrace(br, axes, k, invals[1:]) for br in eqn.params["branches"])
+        return compat.bind_eqn(eqn, invals, dict(eqn.params, branches=branches))
+    if prim is compat.remat_p:
+        sub, consts = compat.jaxpr_and_consts(eqn.params["jaxpr"])
+        fn = jax.checkpoint(lambda *a: _eval_resized(sub, consts, a, axes, k),
+                            prevent_cse=eqn.params.get("prevent_cse", True),
+                            policy=eqn.params.get("policy"))
+        return list(fn(*invals))
+    raise _Unresizable(f"{prim.name}: its rule or body is traced at the full batch")
 
 
 def _eval_resizable(jaxpr, consts, *args) -> list:
     """`jaxpr` on `args`, which are its inputs or slices of them along their leading axis."""
-    in_axes, ks = [], set()
+    in_axes, ks, batch = [], set(), None
     for v, x in zip(jaxpr.invars, args):
         full, got = _shape(v), tuple(np.shape(x))
         if full == got:
@@ -401,11 +277,13 @@ def _eval_resizable(jaxpr, consts, *args) -> list:
             raise _Unresizable(f"an input of shape {got} for {full}")
         in_axes.append(0)
         ks.add(full[0] // got[0])
+        batch = full[0]
     if not ks:
         return _eval_plain(jaxpr, consts, args)
     if len(ks) != 1:
         raise _Unresizable("inputs sliced by different factors")
-    return _eval_resized(jaxpr, consts, args, _cached_plan(jaxpr, tuple(in_axes)), ks.pop())
+    return _eval_resized(jaxpr, consts, args, _resize_plan(jaxpr, tuple(in_axes), batch),
+                         ks.pop())
 
 
 def _eval_plain(jaxpr, consts, args) -> list:

@@ -130,7 +130,7 @@ def _producers(jaxpr) -> dict:
 
 
 def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
-               record: Axes | None = None) -> list:
+               record: Axes | None = None, outer: dict | None = None) -> list:
     """The batch axis of each of `jaxpr`'s outputs (None: independent of the batched inputs),
     given each input's (`in_axes`), a batch axis being `batch` rows long (or a multiple of it,
     once merged with minor axes). Raises `NotSeparable` naming the first equation that mixes
@@ -138,19 +138,24 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
 
     With `sums` (a backward program), a reduction or contraction over the batch axis makes a
     sum over the batch (`SUM`), which may then only be transformed additively. `record`
-    collects every variable's axis (see `Axes`)."""
+    collects every variable's axis (see `Axes`). `outer` maps a call body's inputs to the
+    caller's operands (see `_constant_along`)."""
     record = Axes() if record is None else record
     env: dict = {v: a for v, a in zip(jaxpr.invars, in_axes)}
     for v, a in env.items():
         record._put(record.of, v, a)
     producer = _producers(jaxpr)
+    outer = {} if outer is None else outer
 
     def axis(v):
         return None if compat.is_literal(v) else env.get(v)
 
     def constant_along(v, a) -> bool:
         """Whether `v` (independent of the batched inputs) is constant along its axis `a`."""
-        return _constant_along(v, a, producer, {}, record)
+        return _constant_along(v, a, producer, outer, record)
+
+    def inner(sub_invars, operands) -> dict:
+        return {si: (u, producer, outer) for si, u in zip(sub_invars, operands)}
 
     def fail(eqn, why):
         raise NotSeparable(f"{eqn.primitive.name}: {why}")
@@ -167,9 +172,10 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
         name = eqn.primitive.name
         sub = call_jaxpr(eqn)
         if sub is not None:
-            out_axes = batch_axes(sub, axes, batch, sums=sums, record=record)
+            out_axes = batch_axes(sub, axes, batch, sums=sums, record=record,
+                                  outer=inner(sub.invars, eqn.invars))
         elif name == "cond":
-            out_axes = _cond_axes(eqn, axes, batch, sums, record, fail)
+            out_axes = _cond_axes(eqn, axes, batch, sums, record, fail, inner)
         elif any(a is SUM for a in axes):
             out_axes = _sum_axes(eqn, axes, producer, fail)
         elif name == "optimization_barrier":
@@ -290,15 +296,16 @@ def _constant_along(v, a, producer, outer, record) -> bool:
     return False
 
 
-def _cond_axes(eqn, axes, batch, sums, record, fail):
+def _cond_axes(eqn, axes, batch, sums, record, fail, inner):
     """A `cond` on a batch-independent index (a `platform_dependent` choice, say): each
     branch is analysed on the operands, and all must agree."""
     if axes[0] is not None:
         fail(eqn, "branches on a batched value")
     outs = None
     for br in eqn.params["branches"]:
-        got = batch_axes(compat.jaxpr_and_consts(br)[0], axes[1:], batch, sums=sums,
-                         record=record)
+        j = compat.jaxpr_and_consts(br)[0]
+        got = batch_axes(j, axes[1:], batch, sums=sums, record=record,
+                         outer=inner(j.invars, eqn.invars[1:]))
         if outs is not None and got != outs:
             fail(eqn, "branches give different batch axes")
         outs = got
@@ -446,6 +453,8 @@ def _array_equal(a, b) -> bool:
         x, y = np.asarray(a), np.asarray(b)
     except Exception:  # noqa: BLE001 - a tracer or an opaque value: not provably equal
         return False
+    if x.dtype == y.dtype == _FLOAT0:  # no values: an integer input's zero cotangent
+        return x.ndim == y.ndim
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
     try:
@@ -526,6 +535,8 @@ def same_program(full, sliced, k: int, axes: Axes | None = None, consts_full=(),
         au, av = u.aval, v.aval
         if getattr(au, "dtype", None) != getattr(av, "dtype", None):
             return False
+        if au.dtype == _FLOAT0:  # no values (see `_array_equal`)
+            return len(au.shape) == len(av.shape)
         return same_shape(getattr(au, "shape", ()), getattr(av, "shape", ()),
                           axes.batch_axis(u))
 
