@@ -548,7 +548,8 @@ def _llama_style_block(heads):
     `positions` [B, T], a causal mask combined with integer `segment_ids` [B, T], named
     activations (`checkpoint_name`), sharding constraints on a one-device mesh, the
     (B, T, D) -> (B*T, D) -> (B, T, D) reshape around the MLP, a float `tril` mask."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
 
