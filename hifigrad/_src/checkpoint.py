@@ -255,8 +255,9 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
     Traces `fun` abstractly (`jax.eval_shape`: nothing is computed) and returns one line per
     checkpoint traced (`hg.checkpoint`, each `hg.scan` step, each checkpoint
     `hg.compress_checkpoints` found), in trace order: ``"sliced: 4 slices of 16 rows"``, or
-    the reason it is not, naming the equation that stopped it (a reduction over the batch,
-    a custom rule whose backward mixes rows, a program that depends on the batch size, ...).
+    the reason it is not, naming the equation that stopped it and where the code made it
+    (``file:line (function)``): a reduction over the batch, a custom rule whose backward
+    mixes rows, a program that depends on the batch size, ...
 
     Args:
       fun: what to trace, usually the gradient function (``jax.grad(loss)``); the
@@ -272,7 +273,7 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
       >>> f = hg.checkpoint(lambda x: x - x.mean(0, keepdims=True), codec="int8",
       ...                   backward_slices=4)
       >>> hg.slice_report(jax.grad(lambda x: f(x).sum()), jnp.ones((2048, 4)))
-      ['the forward mixes rows of the batch: reduce_sum: reduces over the batch axis']
+      ['the forward mixes rows of the batch: reduce_sum at ...: reduces over the batch axis']
     """
     log: list = []
     _SLICE_LOGS.append(log)

@@ -288,6 +288,14 @@ def aval_of(x):
     return _core.typeof(x)
 
 
+def source_summary(eqn) -> str:
+    """Where the user's code made `eqn` ("model.py:12:8 (block)"), or "" if JAX cannot say."""
+    try:
+        return str(_source_info_util.summarize(eqn.source_info))
+    except Exception:  # noqa: BLE001 - a best-effort label for messages
+        return ""
+
+
 @contextlib.contextmanager
 def eqn_context(eqn):
     """The context eval_jaxpr binds an equation in: its source info (for error messages and

@@ -158,7 +158,8 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
         return {si: (u, producer, outer) for si, u in zip(sub_invars, operands)}
 
     def fail(eqn, why):
-        raise NotSeparable(f"{eqn.primitive.name}: {why}")
+        where = compat.source_summary(eqn)
+        raise NotSeparable(f"{eqn.primitive.name}{f' at {where}' if where else ''}: {why}")
 
     for eqn in jaxpr.eqns:
         axes = [axis(v) for v in eqn.invars]
