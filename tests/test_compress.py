@@ -481,9 +481,17 @@ def test_a_traced_block_evaluates_at_a_slice_of_its_batch():
                                   sliced.consts)
 
 
+@jax.custom_vjp
+def _clipped(x):
+    return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1, 1),))
+
+
 @pytest.mark.parametrize("fn, match", [
     (lambda x: x - jnp.mean(x, 0, keepdims=True), "reduces over the batch axis"),
-    (lambda x: jax.nn.relu(x) * 2, "custom_jvp"),  # its JVP is held traced at the full batch
+    (lambda x: _clipped(x) * 2, "custom_vjp"),  # its fwd and bwd are held traced in full
 ])
 def test_blocks_that_are_not_resized(fn, match):
     from hifigrad._src import compress
@@ -494,15 +502,15 @@ def test_blocks_that_are_not_resized(fn, match):
 
 
 def test_a_block_that_is_not_resized_runs_its_backward_at_once():
-    """A ReLU block (a custom_jvp) under compress_checkpoints: its backward runs unsliced,
-    with the gradients of hg.scan's (sliced) backward to float32 rounding of the parameter
-    cotangents' sums, taken in another order (16 eps of the largest entry)."""
+    """A block with a custom_vjp function under compress_checkpoints: its backward runs
+    unsliced, with the gradients of hg.scan's (sliced) backward to float32 rounding of the
+    parameter cotangents' sums, taken in another order (16 eps of the largest entry)."""
     n, b, t, d = 2, 16, 64, 64
     p = _attn_params(n, d, jnp.float32)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.float32)
 
     def block(h, p):
-        return h + jax.nn.relu(h @ p["w1"]) @ p["w2"], None
+        return h + jnp.tanh(_clipped(h @ p["w1"])) @ p["w2"], None
 
     def remat(p, x):
         return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
@@ -631,3 +639,28 @@ def test_maxtext_style_blocks_slice_and_equal_the_unsliced_backward(maybe_jit):
         got = maybe_jit(hg.grad(cc))(*args)
         want = maybe_jit(jax.grad(loss))(*args)
     _close(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "silu"])
+def test_custom_jvp_activations_slice_with_their_own_rule(maybe_jit, act):
+    """A custom_jvp activation (ReLU: its JVP rule is JAX's, 0 at 0; relu6) in a compressed
+    block is resized with its rule: the backward slices, and with ``codec="none"`` the
+    gradients are `jax.grad`'s of the same float32 model (RTOL 1e-5: float32 sums
+    reordered). The input has exact zeros, where the rule and max(x, 0)'s derivative
+    differ."""
+    fn = getattr(jax.nn, act)
+    n, b, t, d = 2, 16, 128, 32
+    p = _attn_params(n, d, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.float32)
+    x = x.at[:, :, :4].set(0.0)
+
+    def block(h, p):
+        return h + fn(h @ p["w1"]) @ p["w2"] + fn(h) * 0.5, None
+
+    def remat(p, x):
+        return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
+
+    cc = hg.compress_checkpoints(remat, "none", backward_slices=4)
+    assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 4 slices of 4 rows"]
+    with highest_precision():
+        _close(maybe_jit(hg.grad(cc))(p, x), maybe_jit(jax.grad(remat))(p, x), rtol=1e-5)

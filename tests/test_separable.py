@@ -243,9 +243,11 @@ def test_sliced_backward_is_never_wrong(name, wrapper, maybe_jit):
 
     if wrapper == "compress_checkpoints":
         # The block is the jaxpr traced once at the full batch, resized: the batch size's
-        # values are baked in at that size, and its slices are right; a custom rule is not
-        # resized (JAX memoizes its JVP at the full batch), so its backward runs at once.
-        separable_ = "custom" not in name
+        # values are baked in at that size, and its slices are right; a custom_jvp rule is
+        # resized as the block is (and mixes rows or not as its program does); a custom_vjp
+        # function is not resized, so its backward runs at once.
+        separable_ = separable_ or "custom" not in name
+        separable_ = separable_ and "custom_vjp" not in name
     report = hg.slice_report(jax.grad(loss), ws, x)
     assert report and all(r.startswith("sliced") == separable_ for r in report), report
     with highest_precision():

@@ -349,10 +349,14 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
     is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
     full_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
     try:
-        bwd, bconsts, _ = _backward_program(converted, [*flat, *consts], full_avals, is_float,
-                                            policy)
         bwd_k, bconsts_k, _ = _backward_program(fun_k, [*sliced, *consts], out_avals,
                                                 is_float, policy)
+    except Exception as e:  # noqa: BLE001 - e.g. a custom rule that cannot run at a slice
+        return None, (f"the backward cannot be traced at 1/{k} of its batch "
+                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    try:
+        bwd, bconsts, _ = _backward_program(converted, [*flat, *consts], full_avals, is_float,
+                                            policy)
         b_axes = check_backward(bwd, in_axes + [0] * sum(is_float), batch,
                                 [*batched, *[False] * len(consts)])
     except NotSeparable as e:

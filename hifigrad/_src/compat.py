@@ -312,6 +312,29 @@ def eqn_ctx(eqn):
     return eqn.ctx.manager
 
 
+def custom_jvp_with_rule(params: dict, call_jaxpr, jvp_jaxpr) -> dict:
+    """A `custom_jvp_call` equation's params with another primal program `call_jaxpr` (a
+    closed jaxpr) and JVP program: ``jvp_jaxpr(jaxpr, consts, in_zeros)`` maps what the
+    equation's own JVP rule gives for the tangents' symbolic zeros ``in_zeros`` (its JVP
+    jaxpr of the primals and non-zero tangents, its consts, the output tangents' zeros) to
+    the new (jaxpr, consts); the output zeros are kept. The rule keeps its name (its debug
+    info). Params: ``call_jaxpr``, ``jvp_jaxpr_fun`` (a `WrappedFun` of the zeros),
+    ``num_consts``, ``symbolic_zeros`` on every release admitted."""
+    old = params["jvp_jaxpr_fun"]
+    cache: dict = {}
+
+    def thunk(*in_zeros):
+        key = tuple(bool(z) for z in in_zeros)
+        if key not in cache:
+            jaxpr, consts, out_zeros = old.call_wrapped(*in_zeros)
+            new_jaxpr, new_consts = jvp_jaxpr(jaxpr, consts, key)
+            cache[key] = (new_jaxpr, new_consts, out_zeros)
+        return cache[key]
+
+    return dict(params, call_jaxpr=call_jaxpr,
+                jvp_jaxpr_fun=_lu.wrap_init(thunk, debug_info=old.debug_info))
+
+
 def bind_eqn(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
     """Binds `eqn`'s primitive on `invals` (params overridable) as `core.eval_jaxpr` does."""
     params = eqn.params if params is None else params

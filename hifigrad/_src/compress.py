@@ -219,7 +219,7 @@ def _involved(eqn, axes: separable.Axes) -> bool:
                for v in (*eqn.invars, *eqn.outvars) if not compat.is_dropvar(v))
 
 
-def _eval_resized(jaxpr, consts, args, axes: separable.Axes, k: int) -> list:
+def _eval_resized(jaxpr, consts, args, axes: separable.Axes, k: int, batch: int) -> list:
     env: dict = {}
 
     def read(v):
@@ -230,39 +230,69 @@ def _eval_resized(jaxpr, consts, args, axes: separable.Axes, k: int) -> list:
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if compat.jaxprs_in_params(eqn.params) and _involved(eqn, axes):
-            outs = _eval_resized_nested(eqn, invals, axes, k)
+            outs = _eval_resized_nested(eqn, invals, axes, k, batch)
         else:
             outs = compat.bind_eqn(eqn, invals, _resized_params(eqn, axes, k))
         env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _retrace(closed, axes, k, args):
+def _retrace(closed, axes, k, batch, args):
     jaxpr, consts = compat.jaxpr_and_consts(closed)
-    return jax.make_jaxpr(lambda *a: _eval_resized(jaxpr, consts, a, axes, k))(*args)
+    return jax.make_jaxpr(lambda *a: _eval_resized(jaxpr, consts, a, axes, k, batch))(*args)
 
 
-def _eval_resized_nested(eqn, invals, axes: separable.Axes, k: int) -> list:
+def _eval_resized_nested(eqn, invals, axes: separable.Axes, k: int, batch: int) -> list:
     """An equation holding jaxprs, at the slice's size: a jit call or a conditional re-bound
     with its jaxprs re-traced at that size (the same equation, so that the sliced block is
-    the same program), a nested checkpoint re-staged."""
+    the same program), a nested checkpoint re-staged, a custom_jvp function re-bound with its
+    primal and its JVP rule's program resized (`_resized_custom_jvp`)."""
     prim = eqn.primitive
     if prim in (compat.pjit_p, compat.closed_call_p):
         sub, _ = _sub_jaxpr(eqn)
         n = len(sub.invars)
         key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
-        closed = _retrace(eqn.params[key], axes, k, invals[len(invals) - n:])
+        closed = _retrace(eqn.params[key], axes, k, batch, invals[len(invals) - n:])
         return compat.bind_eqn(eqn, invals, dict(eqn.params, **{key: closed}))
     if prim is compat.cond_p:
-        branches = tuple(_retrace(br, axes, k, invals[1:]) for br in eqn.params["branches"])
+        branches = tuple(_retrace(br, axes, k, batch, invals[1:])
+                         for br in eqn.params["branches"])
         return compat.bind_eqn(eqn, invals, dict(eqn.params, branches=branches))
     if prim is compat.remat_p:
         sub, consts = compat.jaxpr_and_consts(eqn.params["jaxpr"])
-        fn = jax.checkpoint(lambda *a: _eval_resized(sub, consts, a, axes, k),
+        fn = jax.checkpoint(lambda *a: _eval_resized(sub, consts, a, axes, k, batch),
                             prevent_cse=eqn.params.get("prevent_cse", True),
                             policy=eqn.params.get("policy"))
         return list(fn(*invals))
+    if prim is compat.custom_jvp_call_p:
+        return compat.bind_eqn(eqn, invals, _resized_custom_jvp(eqn, invals, axes, k, batch))
     raise _Unresizable(f"{prim.name}: its rule or body is traced at the full batch")
+
+
+def _resized_custom_jvp(eqn, invals, axes: separable.Axes, k: int, batch: int) -> dict:
+    """A custom_jvp function's params at the slice's size. JAX holds its JVP rule traced at
+    the full batch (a thunk of the tangents' symbolic zeros); the rule's program is resized
+    as the block is, by its own analysis (its inputs: the primals, batched as the call's
+    operands, and their non-zero tangents, batched alike). `checkpoint` then checks the
+    backward program, the rule traced in, against the full one's."""
+    nc = eqn.params["num_consts"]
+    call = _retrace(eqn.params["call_jaxpr"], axes, k, batch, invals)
+    primals = invals[nc:]
+    p_axes = [None if compat.is_literal(v) else axes.batch_axis(v) for v in eqn.invars[nc:]]
+
+    def jvp(jaxpr, consts, zeros):
+        t_axes = [a for a, z in zip(p_axes, zeros) if not z]
+        tangents = [jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)
+                                         if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                                         else jax.dtypes.float0)
+                    for p, z in zip(primals, zeros) if not z]
+        plan = _resize_plan(jaxpr, (*p_axes, *t_axes), batch)
+        closed = jax.make_jaxpr(lambda *a: _eval_resized(jaxpr, consts, a, plan, k, batch))(
+            *[jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)) for p in primals],
+            *tangents)
+        return closed.jaxpr, closed.consts
+
+    return compat.custom_jvp_with_rule(eqn.params, call, jvp)
 
 
 def _eval_resizable(jaxpr, consts, *args) -> list:
@@ -283,7 +313,7 @@ def _eval_resizable(jaxpr, consts, *args) -> list:
     if len(ks) != 1:
         raise _Unresizable("inputs sliced by different factors")
     return _eval_resized(jaxpr, consts, args, _resize_plan(jaxpr, tuple(in_axes), batch),
-                         ks.pop())
+                         ks.pop(), batch)
 
 
 def _eval_plain(jaxpr, consts, args) -> list:
