@@ -694,13 +694,10 @@ def linearized_jaxpr(lin, tangent_avals: Sequence[Any]):
 def dce(jaxpr, consts: Sequence[Any] = ()) -> tuple[Any, list]:
     """`jaxpr` (with constvars holding `consts`) without the equations no output needs,
     inside its calls too (JAX's own dead-code elimination); inputs are all kept."""
-    n = len(jaxpr.constvars)
-    if n:
-        jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
-    jaxpr, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), True)
-    if n:
-        jaxpr = jaxpr.replace(constvars=jaxpr.invars[:n], invars=jaxpr.invars[n:])
-    return jaxpr, list(consts)
+    # JAX's own pairing of constvars with inputs (jax 0.12's Jaxpr carries its consts, and
+    # its `replace` drops constvars set without them).
+    jaxpr, used_consts, _ = _pe.dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars), True)
+    return jaxpr, [c for c, u in zip(consts, used_consts) if u]
 
 
 def transpose_jaxpr(closed, known: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
