@@ -664,3 +664,63 @@ def test_custom_jvp_activations_slice_with_their_own_rule(maybe_jit, act):
     assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 4 slices of 4 rows"]
     with highest_precision():
         _close(maybe_jit(hg.grad(cc))(p, x), maybe_jit(jax.grad(remat))(p, x), rtol=1e-5)
+
+
+def test_flax_nnx_attention_blocks_slice(maybe_jit):
+    """`nnx.scan(nnx.remat(Block))` with nnx.MultiHeadAttention and a causal mask from
+    `nnx.make_causal_mask(ones((B, T)))` (batch-sized, built from iotas, broadcast with
+    size-1 axes): the float32 backward slices (NNX's remat passes the module's state through
+    as outputs independent of the batch), and with ``codec="none"`` the gradients are
+    nnx.grad's of the same float32 model (RTOL 1e-5: float32 sums reordered)."""
+    nnx = pytest.importorskip("flax.nnx")
+    d = 32
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln = nnx.LayerNorm(d, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=d, qkv_features=d,
+                                               decode=False, rngs=rngs)
+            self.lin = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, x):
+            mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+            x = x + self.attn(self.ln(x), mask=mask)
+            return x + jax.nn.gelu(self.lin(x))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.blocks = make(jax.random.split(jax.random.key(0), 2))
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            @nnx.remat
+            def step(block, x):
+                return block(x)
+            return step(self.blocks, x)
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    model = Model()
+    x = jax.random.normal(jax.random.key(1), (16, 128, d))
+    cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
+    assert hg.slice_report(nnx.grad(cc), model, x) == ["sliced: 4 slices of 4 rows"]
+    graphdef, state = nnx.split(model)
+
+    def on_state(grad):
+        return lambda s, x: nnx.state(grad(nnx.merge(graphdef, s), x))
+
+    with highest_precision():
+        got = maybe_jit(on_state(hg.flax.grad(cc)))(state, x)
+        want = maybe_jit(on_state(nnx.grad(loss)))(state, x)
+    # Tolerance against the largest gradient entry: the key bias's gradient is zero up to
+    # rounding (softmax ignores a shift per query), its entries 1e-10 of noise either way.
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(want))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)

@@ -69,6 +69,23 @@ def test_a_parameter_that_varies_along_the_batch_is_not_separable():
         _axes(lambda x, v: x * v, x3, x3, in_axes=[0, None])
 
 
+def test_a_batch_sized_operand_broadcast_by_its_size_1_axes_is_seen():
+    """JAX's elementwise ops broadcast size-1 axes (``mul f32[B,1,1] f32[1,4,6]``, as NNX's
+    LayerNorm and attention mask emit): an unbatched per-row value reaching the batch that
+    way varies along it, however the shapes differ."""
+    v = jnp.arange(B, dtype=jnp.float32).reshape(B, 1, 1)
+
+    def f(x, v):
+        return x * lax.mul(v, lax.broadcasted_iota(jnp.float32, (1, 4, 6), 2))
+
+    assert "mul" in str(jax.make_jaxpr(f)(x3, v))
+    with pytest.raises(NotSeparable):
+        _axes(f, x3, v, in_axes=[0, None])
+    # the same shapes with a value constant along the batch (from an iota) are separable
+    assert _axes(lambda x, v: x * lax.mul(jnp.ones_like(v), v[:1] * 0 + 1), x3, v,
+                 in_axes=[0, None]) == [0]
+
+
 def _same(f, x, k, g=None):
     """`same_program` of `f` traced at `x` (batch axis 0, analysed) and `g` (default `f`) at
     its first 1/k rows, constants compared by value."""
@@ -333,3 +350,30 @@ def test_random_blocks_sliced_equal_unsliced():
             assert err < 1e-4, (ops, report, err)
 
     check()
+
+
+def test_outputs_independent_of_the_batch_take_their_cotangent_once(maybe_jit):
+    """A block that also returns values computed from its parameters alone (NNX's remat
+    passes the module's state through) slices; such an output's cotangent enters the
+    backward once (in slice 0), so the parameters' gradients are `jax.grad`'s (float32
+    against float32, sums reassociated: rtol 1e-5)."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(RD, RD)) / 4, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(RB, RT, RD)), jnp.float32)
+
+    def block(w, x):
+        return jnp.tanh(x @ w), w, jnp.sin(w) * 2
+
+    def loss_of(f):
+        def loss(w, x):
+            y, w1, w2 = f(w, x)
+            return jnp.sum(y ** 2) + jnp.sum(w1 ** 3) + jnp.sum(jnp.cos(w2))
+        return loss
+
+    f = hg.checkpoint(block, codec="none", backward_slices=4)
+    assert hg.slice_report(jax.grad(loss_of(f)), w, x) == ["sliced: 4 slices of 4 rows"]
+    with highest_precision():
+        got = maybe_jit(jax.grad(loss_of(f), argnums=(0, 1)))(w, x)
+        want = jax.grad(loss_of(block), argnums=(0, 1))(w, x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.max(np.abs(b)))

@@ -229,8 +229,9 @@ class _SlicePlan:
     closure-converted at 1/k of the batch), whose outputs have the avals ``out_avals``;
     ``batched[i]``: whether input i is sliced."""
 
-    def __init__(self, k, fun_k, out_avals, batched):
+    def __init__(self, k, fun_k, out_avals, batched, out_batched):
         self.k, self.fun_k, self.out_avals, self.batched = k, fun_k, out_avals, batched
+        self.out_batched = out_batched  # per output: batched (else independent of the batch)
 
 
 def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
@@ -317,7 +318,7 @@ def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, s
 
 def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: Policy):
     """`_slice_decision` for one choice of batched inputs and slice count `k`."""
-    from .separable import Axes, NotSeparable, batch_axes, check_backward, same_program
+    from .separable import SUM, Axes, NotSeparable, batch_axes, check_backward, same_program
 
     batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
     sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
@@ -337,8 +338,11 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
     except NotSeparable as e:
         return None, f"the forward mixes rows of the batch: {e}"
     for i, (v, a) in enumerate(zip(jaxpr.outvars, out_axes)):
-        if jnp.issubdtype(v.aval.dtype, jnp.inexact) and a != 0:
-            return None, f"output {i} is not batched along its leading axis"
+        if jnp.issubdtype(v.aval.dtype, jnp.inexact) and a not in (0, None):
+            return None, f"output {i} is batched along axis {a}, not its leading axis"
+    # An output independent of the batch (a module's parameters that NNX's remat passes
+    # through) takes its cotangent in one slice: a sum over the slices, as `SUM`.
+    out_batched = [a == 0 for a in out_axes]
     jaxpr_k, jconsts_k, _ = compat.make_jaxpr_closed(fun_k, *sliced, *consts)
     diff: list = []
     if not same_program(jaxpr, jaxpr_k, k, axes, jconsts, jconsts_k, diff):
@@ -357,7 +361,8 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
     try:
         bwd, bconsts, _ = _backward_program(converted, [*flat, *consts], full_avals, is_float,
                                             policy)
-        b_axes = check_backward(bwd, in_axes + [0] * sum(is_float), batch,
+        ct_axes = [0 if b else SUM for b, f in zip(out_batched, is_float) if f]
+        b_axes = check_backward(bwd, in_axes + ct_axes, batch,
                                 [*batched, *[False] * len(consts)])
     except NotSeparable as e:
         return None, f"the backward mixes rows of the batch: {e}"
@@ -365,7 +370,8 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
     if not same_program(bwd, bwd_k, k, b_axes, bconsts, bconsts_k, diff):
         return None, (f"the backward traced at 1/{k} of the batch is another program "
                       f"({'; '.join(diff) or 'its structure differs'})")
-    return _SlicePlan(k, fun_k, out_avals, batched), f"sliced: {k} slices of {batch // k} rows"
+    return (_SlicePlan(k, fun_k, out_avals, batched, out_batched),
+            f"sliced: {k} slices of {batch // k} rows")
 
 
 def _backward_program(fun, args, out_avals, is_float, policy: Policy):
@@ -417,7 +423,10 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
         return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
     xs_args = [split(a) for a, e in zip(args, batched) if e]
-    xs_cts = [split(c) for c, f in zip(flat_cts, is_float) if f]
+    # A batched output's cotangent rows go with their slice; an output independent of the
+    # batch has its whole cotangent taken once, in slice 0 (its sum over the slices).
+    float_cts = [(c, b) for c, f, b in zip(flat_cts, is_float, plan.out_batched) if f]
+    xs_cts = [split(c) for c, b in float_cts if b]
     others = [(i, x) for i, x in enumerate((*args, *consts))
               if not (i < len(batched) and batched[i])]
     acc_dtype = {i: max((np.dtype(jnp.float32), np.dtype(jnp.result_type(x)),
@@ -425,10 +434,12 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
                  for i, x in others if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
 
     def body(acc, xs):
-        a_sl, c_sl = xs
-        it = iter(a_sl)
+        a_sl, c_sl, i = xs
+        it, it_c = iter(a_sl), iter(c_sl)
         full = [next(it) if e else a for a, e in zip(args, batched)]
-        cts_sl = _all_cts(c_sl, out_avals, is_float)
+        c_all = [next(it_c) if b else jnp.where(i == 0, c, jnp.zeros_like(c))
+                 for c, b in float_cts]
+        cts_sl = _all_cts(c_all, out_avals, is_float)
         _, vjp_fn = _vjp(lambda *a: fun_k(*a), (*full, *consts), False, policy, PROMOTE)
         cts_in = _freeing_first(vjp_fn, tree_unflatten(ct_tree, cts_sl))
         acc = {i: acc[i] + cts_in[i].astype(acc[i].dtype) for i in acc}
@@ -437,7 +448,7 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     # The batched float inputs' cotangent rows (an integer input's is float0: made whole).
     rows_out = [i for i, e in enumerate(batched) if e and is_float_array(args[i])]
     acc0 = {i: jnp.zeros(np.shape(x), acc_dtype[i]) for i, x in others if i in acc_dtype}
-    acc, ys = lax.scan(body, acc0, (xs_args, xs_cts))
+    acc, ys = lax.scan(body, acc0, (xs_args, xs_cts, jnp.arange(k)))
     rows = {i: jnp.swapaxes(y, 0, 1).reshape(np.shape(args[i])) for i, y in zip(rows_out, ys)}
     return tuple(
         rows[i] if i in rows else acc[i] if i in acc

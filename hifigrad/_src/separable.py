@@ -287,8 +287,22 @@ def _constant_along(v, a, producer, outer, record) -> bool:
     if name == "iota":
         return eqn.params["dimension"] != a
     if name in ELEMENTWISE:
+        # Operands of the output's rank (JAX broadcasts their size-1 axes: those are
+        # constant along `a`); scalars are.
         return all(_constant_along(u, a, producer, outer, record) for u in eqn.invars
-                   if compat.is_literal(u) or _shape(u) == _shape(v))
+                   if not compat.is_literal(u) and len(_shape(u)) == len(_shape(v)))
+    if name == "transpose":
+        return _constant_along(eqn.invars[0], tuple(eqn.params["permutation"])[a], producer,
+                               outer, record)
+    if name in ("reshape", "squeeze", "expand_dims") and len(eqn.invars) == 1:
+        # Only size-1 axes added or removed: axis `a` is the operand's same non-1 axis.
+        src, dst = _shape(eqn.invars[0]), _shape(v)
+        src_big = [i for i, n in enumerate(src) if n != 1]
+        dst_big = [i for i, n in enumerate(dst) if n != 1]
+        if [src[i] for i in src_big] != [dst[i] for i in dst_big]:
+            return False
+        return _constant_along(eqn.invars[0], src_big[dst_big.index(a)], producer, outer,
+                               record)
     sub = call_jaxpr(eqn)
     if sub is not None:
         sv = sub.outvars[list(eqn.outvars).index(v)]
