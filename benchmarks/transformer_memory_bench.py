@@ -40,6 +40,15 @@ Run from the repository root (one release at a time; about 8 minutes on 2 shared
     PYTHONPATH=. python benchmarks/transformer_memory_bench.py --sqnr --hlo
 
 It writes ``benchmarks/results/transformer_memory_jax<release>.md`` and ``.json``.
+
+``--models`` (about 3 minutes) measures instead the drop-in on four models as their code bases
+write them (``benchmarks/real_models.py``: a MaxText-style llama2 layer, Flax NNX
+``nnx.scan(nnx.remat)``, Equinox ``lax.scan`` + ``eqx.filter_checkpoint``, a float ``jnp.tril``
+mask): ``hg.grad`` over ``hg.compress_checkpoints(loss, "int8" / "fp8_e4m3")`` against
+``jax.grad(loss)`` of the same bf16 remat scan, at five sizes, with ``hg.slice_report``'s
+verdict and a gradient check against the float32 model. Targets: at most 0.85x at 8 x 256
+tokens and 16 blocks, at most 1.0x wherever batch x tokens >= 1024. It writes
+``benchmarks/results/real_models_jax<release>.md`` and ``.json``.
 ``--only-hlo`` re-measures the HLO section of that release's results, ``--report-only``
 rewrites the markdown from the JSON.
 """
@@ -190,7 +199,14 @@ def main(argv=None):
                     help="recompute the HLO section of this release's existing results file")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite this release's markdown report from its JSON (no measuring)")
+    ap.add_argument("--models", nargs="?", const=",".join(MODEL_NAMES), default=None,
+                    help="instead: the drop-in on models as four code bases write them "
+                         f"(benchmarks/real_models.py; default all of {','.join(MODEL_NAMES)})")
     args = ap.parse_args(argv)
+    if args.models is not None:
+        result = models_section(args.models.split(","), argv)
+        write_models(result, args.out)
+        return
     if args.report_only:
         with open(os.path.join(args.out, f"transformer_memory_jax{jax.__version__}.json")) as f:
             write(json.load(f), args.out)
@@ -222,6 +238,129 @@ def main(argv=None):
     if args.sqnr:
         result["sqnr"] = sqnr_rows(names, fns, heads)
     write(result, args.out)
+
+
+# ------------------------------------------------------------------ real models (--models)
+# The drop-in on models as their code bases write them (real_models.py): `hg.grad` over
+# `hg.compress_checkpoints(loss, codec)` against `jax.grad(loss)` (the model's own bf16 remat
+# scan), peak temp compiled. (batch, seq, d_model, blocks); the first is the target size.
+MODEL_NAMES = ["maxtext", "nnx", "equinox", "tril"]
+MODEL_SIZES = [(8, 256, 256, 16), (4, 256, 256, 16), (16, 128, 128, 16), (8, 128, 128, 8),
+               (4, 128, 128, 4)]
+MODEL_CODECS = ["int8", "fp8_e4m3"]
+MODEL_TARGET = 0.85   # at MODEL_SIZES[0]
+MODEL_CEILING = 1.0   # wherever batch x tokens >= 1024
+SANITY_SIZE = (4, 128, 64, 2)  # gradients checked against the float32 model's
+SANITY_RTOL = 0.05
+
+
+def _to_f32(tree):
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _sanity(build) -> float:
+    """Norm-wise relative error of the int8 drop-in's gradients (float32) against jax.grad
+    of the same model in float32 (parameters and inputs cast): int8 checkpoints of a bf16
+    forward, a few 1e-3 expected; asserted below SANITY_RTOL, and finite."""
+    loss, make = build(*SANITY_SIZE)
+    args = make()
+    got = jax.jit(hg.grad(hg.compress_checkpoints(loss, "int8")))(*args)
+    want = jax.jit(jax.grad(loss))(*_to_f32(args))
+    g = np.concatenate([np.asarray(a, np.float64).ravel()
+                        for a in jax.tree_util.tree_leaves(got)])
+    w = np.concatenate([np.asarray(a, np.float64).ravel()
+                        for a in jax.tree_util.tree_leaves(want)])
+    dts = {a.dtype for a in jax.tree_util.tree_leaves(got)}
+    assert dts == {np.dtype(np.float32)}, dts
+    assert np.all(np.isfinite(g)), "non-finite gradients"
+    err = float(np.linalg.norm(g - w) / np.linalg.norm(w))
+    assert err < SANITY_RTOL, err
+    return err
+
+
+def models_section(names, argv) -> dict:
+    from real_models import MODELS
+
+    out = {"env": env_info(sys.argv if argv is None else argv), "jax": jax.__version__,
+           "models": {}}
+    for name in names:
+        build = MODELS[name]
+        rows = {}
+        for b, t, d, n in MODEL_SIZES:
+            loss, make = build(b, t, d, n)
+            args = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                          make())
+
+            def temp(f, args=args):
+                return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+            row = {"remat bf16": temp(jax.grad(loss))}
+            for c in MODEL_CODECS:
+                row[f"cc {c}"] = temp(hg.grad(hg.compress_checkpoints(loss, c)))
+            row["slice_report"] = sorted(set(hg.slice_report(
+                jax.grad(hg.compress_checkpoints(loss, "int8")), *args)))
+            key = f"{b}x{t} d{d} {n} blocks"
+            rows[key] = row
+            print(f"{name:8s} {key:22s} remat bf16 {row['remat bf16'] / MiB:8.1f} MiB  " +
+                  "  ".join(f"cc {c} {row[f'cc {c}'] / row['remat bf16']:.3f}x"
+                            for c in MODEL_CODECS) + f"  {row['slice_report']}", flush=True)
+        out["models"][name] = {"rows": rows, "sanity_rel_err": _sanity(build)}
+    return out
+
+
+def model_targets(result) -> list[tuple[str, str, bool]]:
+    out = []
+    first = "{}x{} d{} {} blocks".format(*MODEL_SIZES[0])
+    for name, m in result["models"].items():
+        for key, row in m["rows"].items():
+            b, t = (int(v) for v in key.split()[0].split("x"))
+            lim = MODEL_TARGET if key == first else MODEL_CEILING if b * t >= 1024 else None
+            for c in MODEL_CODECS if lim is not None else ():
+                r = row[f"cc {c}"] / row["remat bf16"]
+                out.append((f"{name} {key} cc {c} <= {lim}x remat bf16", f"{r:.3f}x", r <= lim))
+    return out
+
+
+def write_models(result, out_dir):
+    ver = result["jax"]
+    base = os.path.join(out_dir, f"real_models_jax{ver}")
+    write_json(base + ".json", result)
+    lines = [f"# The drop-in on models as their code bases write them (jax {ver}, CPU)", "",
+             "Written by `PYTHONPATH=. python benchmarks/transformer_memory_bench.py --models`"
+             ". Models: `benchmarks/real_models.py` (MaxText-style llama2 layer with names, "
+             "sharding constraints, integer positions and segment ids; Flax NNX "
+             "`nnx.scan(nnx.remat)`; Equinox `lax.scan` + `eqx.filter_checkpoint`; a float "
+             "`jnp.tril` mask). *remat bf16*: `jax.grad` of the model's own bf16 remat scan "
+             "(bf16 gradients), peak temp of one compiled step "
+             "(`memory_analysis().temp_size_in_bytes`); *cc*: `hg.grad` over "
+             "`hg.compress_checkpoints(loss, codec)` of the same loss, unmodified (float32 "
+             "gradients), as a ratio; *slicing*: `hg.slice_report` of the int8 drop-in.", ""]
+    header = ["model", "size", "remat bf16 MiB", *[f"cc {c}" for c in MODEL_CODECS],
+              "slicing"]
+    rows = []
+    for name, m in result["models"].items():
+        for key, row in m["rows"].items():
+            b = row["remat bf16"]
+            rows.append([name, key, f"{b / MiB:.1f}"] +
+                        [f"{row[f'cc {c}'] / b:.3f}x" for c in MODEL_CODECS] +
+                        ["; ".join(row["slice_report"])])
+    lines += [md_table(header, rows), ""]
+    lines += ["Gradient check (int8 drop-in vs `jax.grad` of the same model in float32, "
+              "{}x{} tokens, d {}, {} blocks; norm-wise relative error, asserted < {}): ".format(
+                  *SANITY_SIZE, SANITY_RTOL) +
+              ", ".join(f"{n} {m['sanity_rel_err']:.2e}" for n, m in result["models"].items()),
+              ""]
+    checks = model_targets(result)
+    lines += [f"## Targets: {sum(ok for *_, ok in checks)} of {len(checks)} pass", "",
+              md_table(["target", "measured", ""],
+                       [[t, m, "PASS" if ok else "FAIL"] for t, m, ok in checks]), ""]
+    for t, m, ok in checks:
+        print("PASS" if ok else "FAIL", t, m)
+    lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("wrote", base + ".md")
 
 
 # (model, blocks) -> the most peak temp `hg <codec>` may take, as a ratio to `remat bf16`.
