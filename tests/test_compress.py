@@ -724,3 +724,20 @@ def test_flax_nnx_attention_blocks_slice(maybe_jit):
                     strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_fewer_larger_slices_when_a_one_row_slice_is_another_program(maybe_jit):
+    """4 sequences of 256 tokens ask for 4 slices of one row, where JAX traces the block as
+    another program (it specializes length-1 axes): 2 slices of 2 rows are taken instead,
+    and the gradients are the unsliced backward's (float32 sums reordered: RTOL)."""
+    block = _attn_block(2)
+    p = _attn_params(2, 32, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 256, 32)), jnp.float32)
+
+    def remat(p, x):
+        return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
+
+    cc = hg.compress_checkpoints(remat, "none", backward_slices=4)
+    assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 2 slices of 2 rows"]
+    with highest_precision():
+        _close(maybe_jit(hg.grad(cc))(p, x), maybe_jit(jax.grad(remat))(p, x), rtol=1e-5)

@@ -166,7 +166,7 @@ def test_same_program_sees_one_custom_rule_traced_twice():
 # float32 and run with codec "none", so the reference is plain `jax.grad` of the block
 # (float32 against float32, the row sums of the parameter cotangents reassociated: rtol 1e-5).
 
-RB, RT, RD = 16, 128, 24  # 2048 rows: 4 slices of 512
+RB, RT, RD = 16, 128, 24  # 2048 rows: 4 slices of 512 (at least 256 each)
 
 
 @jax.custom_jvp

@@ -181,8 +181,11 @@ _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
 # set is no larger than the activations' own dtype's backward would hold; 1 otherwise.
 AUTO_SLICES = 4
 # A slice keeps at least this many rows (the product of its non-feature axes) for each
-# matmul: enough for tensor cores, and a loop of a few long iterations rather than many short.
-MIN_SLICE_ROWS = 512
+# matmul: enough for tensor cores and a TPU's 128-wide MXU, and a loop of a few long
+# iterations rather than many short. 256, not 512: a model of 512 to 1023 tokens per step
+# (4 x 128) then slices in 2 and its float32 backward costs no more than the bf16 remat
+# scan's (`transformer_memory_bench.py --models`: 1.12-1.31x at once, 0.85-0.93x sliced).
+MIN_SLICE_ROWS = 256
 
 
 def _batched(encode, args, integers: bool = True) -> tuple[bool, ...]:
@@ -306,14 +309,27 @@ def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, s
     k = _slice_count(slices, policy, choices[0], flat)
     if k <= 1:
         return None, ("one slice asked for or chosen (a backward no wider than the saved "
-                      "activations, or fewer than 2 x 512 rows)")
+                      "activations, or fewer than 2 x 256 rows)")
     first = None
     for batched in choices:
-        plan, why = _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy)
-        if plan is not None:
-            return plan, why
-        first = why if first is None else first
+        # A block traced at a slice of a few rows may be another program (JAX specializes
+        # length-1 axes: a slice of one row drops a broadcast, a reduction): fewer, larger
+        # slices are tried then, while the failure is the slice size's.
+        batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
+        for kk in [d for d in range(k, 1, -1) if batch % d == 0]:
+            plan, why = _slice_decision_for(fun_flat, converted, consts, flat, batched, kk,
+                                            policy)
+            if plan is not None:
+                return plan, why
+            first = why if first is None else first
+            if not why.startswith(_SIZE_DEPENDENT):
+                break
     return None, first
+
+
+# `_slice_decision_for`'s reasons that depend on the slice count.
+_SIZE_DEPENDENT = ("the block traced at 1/", "the backward traced at 1/",
+                   "the block cannot be traced at 1/", "the backward cannot be traced at 1/")
 
 
 def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: Policy):
@@ -849,7 +865,7 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
         none recomputed twice) and a different summation order of the parameter
         cotangents for memory. Slicing happens only where the block's program is proven
         separable along that axis (no batch statistics, no mixing of rows), else the
-        backward runs at once; a slice keeps at least 512 rows per matmul. ``None``
+        backward runs at once; a slice keeps at least 256 rows per matmul. ``None``
         (default): 4 when the backward's cotangents are wider than the encoded inputs (a
         bf16 block's float32 backward), else 1; ``1``: never slice.
 
