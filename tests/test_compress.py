@@ -741,3 +741,50 @@ def test_fewer_larger_slices_when_a_one_row_slice_is_another_program(maybe_jit):
     assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 2 slices of 2 rows"]
     with highest_precision():
         _close(maybe_jit(hg.grad(cc))(p, x), maybe_jit(jax.grad(remat))(p, x), rtol=1e-5)
+
+
+def test_equinox_scan_of_filter_checkpoint_slices(maybe_jit):
+    """Equinox blocks (eqx.nn.LayerNorm, eqx.nn.MultiheadAttention with a causal mask,
+    eqx.nn.MLP with its default ReLU, a custom_jvp), stacked with eqx.filter_vmap and run by
+    lax.scan over eqx.filter_checkpoint: the float32 backward slices, and with
+    ``codec="none"`` the gradients are jax.grad's of the same float32 model (tolerance
+    against the largest entry, as for NNX: 1e-5, float32 sums reordered)."""
+    eqx = pytest.importorskip("equinox")
+    d = 32
+
+    class Block(eqx.Module):
+        ln: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.ln = eqx.nn.LayerNorm(d)
+            self.attn = eqx.nn.MultiheadAttention(2, d, key=k1)
+            self.mlp = eqx.nn.MLP(d, d, 2 * d, 1, key=k2)
+
+        def __call__(self, x):
+            h = jax.vmap(self.ln)(x)
+            x = x + self.attn(h, h, h, mask=jnp.tril(jnp.ones((x.shape[0],) * 2, bool)))
+            return x + jax.vmap(self.mlp)(x)
+
+    stack = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 2))
+    params, static = eqx.partition(stack, eqx.is_array)
+
+    def loss(params, x):
+        @eqx.filter_checkpoint
+        def step(h, p):
+            return jax.vmap(eqx.combine(p, static))(h), None
+        return jnp.mean(jax.lax.scan(step, x, params)[0] ** 2)
+
+    x = jax.random.normal(jax.random.key(1), (16, 64, d))
+    cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
+    assert hg.slice_report(jax.grad(cc), params, x) == ["sliced: 4 slices of 4 rows"]
+    with highest_precision():
+        got = maybe_jit(hg.grad(cc))(params, x)
+        want = maybe_jit(jax.grad(loss))(params, x)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(want))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
