@@ -317,23 +317,20 @@ def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, s
         # slices are tried then, while the failure is the slice size's.
         batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
         for kk in [d for d in range(k, 1, -1) if batch % d == 0]:
-            plan, why = _slice_decision_for(fun_flat, converted, consts, flat, batched, kk,
-                                            policy)
+            plan, why, size_dependent = _slice_decision_for(fun_flat, converted, consts, flat,
+                                                            batched, kk, policy)
             if plan is not None:
                 return plan, why
             first = why if first is None else first
-            if not why.startswith(_SIZE_DEPENDENT):
+            if not size_dependent:
                 break
     return None, first
 
 
-# `_slice_decision_for`'s reasons that depend on the slice count.
-_SIZE_DEPENDENT = ("the block traced at 1/", "the backward traced at 1/",
-                   "the block cannot be traced at 1/", "the backward cannot be traced at 1/")
-
-
 def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: Policy):
-    """`_slice_decision` for one choice of batched inputs and slice count `k`."""
+    """`_slice_decision` for one choice of batched inputs and slice count `k`: (plan or
+    None, why, whether the failure is the slice count's: the block or its backward at 1/k
+    of the batch cannot be traced or is another program)."""
     from .separable import SUM, Axes, NotSeparable, batch_axes, check_backward, same_program
 
     batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
@@ -343,19 +340,20 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
     try:
         fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
     except Exception as e:  # noqa: BLE001 - `fun` is not batch-polymorphic
-        return None, f"the block cannot be traced at 1/{k} of its batch ({type(e).__name__}: {e})"
+        return (None, f"the block cannot be traced at 1/{k} of its batch "
+                f"({type(e).__name__}: {e})", True)
     if len(consts_k) != len(consts) or any(a is not b for a, b in zip(consts, consts_k)):
-        return None, "the block closes over other values at the slice's size"
+        return None, "the block closes over other values at the slice's size", False
     in_axes = [0 if b else None for b in batched] + [None] * len(consts)
     jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
     try:
         axes = Axes()
         out_axes = batch_axes(jaxpr, in_axes, batch, record=axes)
     except NotSeparable as e:
-        return None, f"the forward mixes rows of the batch: {e}"
+        return None, f"the forward mixes rows of the batch: {e}", False
     for i, (v, a) in enumerate(zip(jaxpr.outvars, out_axes)):
         if jnp.issubdtype(v.aval.dtype, jnp.inexact) and a not in (0, None):
-            return None, f"output {i} is batched along axis {a}, not its leading axis"
+            return None, f"output {i} is batched along axis {a}, not its leading axis", False
     # An output independent of the batch (a module's parameters that NNX's remat passes
     # through) takes its cotangent in one slice: a sum over the slices, as `SUM`.
     out_batched = [a == 0 for a in out_axes]
@@ -363,7 +361,7 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
     diff: list = []
     if not same_program(jaxpr, jaxpr_k, k, axes, jconsts, jconsts_k, diff):
         return None, (f"the block traced at 1/{k} of its batch is another program "
-                      f"({'; '.join(diff) or 'its structure differs'})")
+                      f"({'; '.join(diff) or 'its structure differs'})"), True
     out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr_k.outvars]
     # The backward as the slices run it, at the full batch and at a slice.
     is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
@@ -373,7 +371,7 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
                                                 is_float, policy)
     except Exception as e:  # noqa: BLE001 - e.g. a custom rule that cannot run at a slice
         return None, (f"the backward cannot be traced at 1/{k} of its batch "
-                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"), True
     try:
         bwd, bconsts, _ = _backward_program(converted, [*flat, *consts], full_avals, is_float,
                                             policy)
@@ -381,13 +379,13 @@ def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: P
         b_axes = check_backward(bwd, in_axes + ct_axes, batch,
                                 [*batched, *[False] * len(consts)])
     except NotSeparable as e:
-        return None, f"the backward mixes rows of the batch: {e}"
+        return None, f"the backward mixes rows of the batch: {e}", False
     diff: list = []
     if not same_program(bwd, bwd_k, k, b_axes, bconsts, bconsts_k, diff):
         return None, (f"the backward traced at 1/{k} of the batch is another program "
-                      f"({'; '.join(diff) or 'its structure differs'})")
+                      f"({'; '.join(diff) or 'its structure differs'})"), True
     return (_SlicePlan(k, fun_k, out_avals, batched, out_batched),
-            f"sliced: {k} slices of {batch // k} rows")
+            f"sliced: {k} slices of {batch // k} rows", False)
 
 
 def _backward_program(fun, args, out_avals, is_float, policy: Policy):

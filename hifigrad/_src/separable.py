@@ -154,9 +154,6 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
         """Whether `v` (independent of the batched inputs) is constant along its axis `a`."""
         return _constant_along(v, a, producer, outer, record)
 
-    def inner(sub_invars, operands) -> dict:
-        return {si: (u, producer, outer) for si, u in zip(sub_invars, operands)}
-
     def fail(eqn, why):
         where = compat.source_summary(eqn)
         raise NotSeparable(f"{eqn.primitive.name}{f' at {where}' if where else ''}: {why}")
@@ -174,9 +171,9 @@ def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
         sub = call_jaxpr(eqn)
         if sub is not None:
             out_axes = batch_axes(sub, axes, batch, sums=sums, record=record,
-                                  outer=inner(sub.invars, eqn.invars))
+                                  outer=_outer(sub.invars, eqn.invars, producer, outer))
         elif name == "cond":
-            out_axes = _cond_axes(eqn, axes, batch, sums, record, fail, inner)
+            out_axes = _cond_axes(eqn, axes, batch, sums, record, fail, producer, outer)
         elif any(a is SUM for a in axes):
             out_axes = _sum_axes(eqn, axes, producer, fail)
         elif name == "optimization_barrier":
@@ -306,12 +303,18 @@ def _constant_along(v, a, producer, outer, record) -> bool:
     sub = call_jaxpr(eqn)
     if sub is not None:
         sv = sub.outvars[list(eqn.outvars).index(v)]
-        sub_outer = {si: (u, producer, outer) for si, u in zip(sub.invars, eqn.invars)}
-        return _constant_along(sv, a, _producers(sub), sub_outer, record)
+        return _constant_along(sv, a, _producers(sub),
+                               _outer(sub.invars, eqn.invars, producer, outer), record)
     return False
 
 
-def _cond_axes(eqn, axes, batch, sums, record, fail, inner):
+def _outer(sub_invars, operands, producer, outer) -> dict:
+    """A call body's `outer` map (see `_constant_along`): each of its inputs to the caller's
+    operand, with the caller's producers and its own `outer`."""
+    return {si: (u, producer, outer) for si, u in zip(sub_invars, operands)}
+
+
+def _cond_axes(eqn, axes, batch, sums, record, fail, producer, outer):
     """A `cond` on a batch-independent index (a `platform_dependent` choice, say): each
     branch is analysed on the operands, and all must agree."""
     if axes[0] is not None:
@@ -320,7 +323,7 @@ def _cond_axes(eqn, axes, batch, sums, record, fail, inner):
     for br in eqn.params["branches"]:
         j = compat.jaxpr_and_consts(br)[0]
         got = batch_axes(j, axes[1:], batch, sums=sums, record=record,
-                         outer=inner(j.invars, eqn.invars[1:]))
+                         outer=_outer(j.invars, eqn.invars[1:], producer, outer))
         if outs is not None and got != outs:
             fail(eqn, "branches give different batch axes")
         outs = got
