@@ -351,13 +351,23 @@ def write_models(result, out_dir):
                   *SANITY_SIZE, SANITY_RTOL) +
               ", ".join(f"{n} {m['sanity_rel_err']:.2e}" for n, m in result["models"].items()),
               ""]
-    checks = model_targets(result)
-    lines += [f"## Targets: {sum(ok for *_, ok in checks)} of {len(checks)} pass", "",
-              md_table(["target", "measured", ""],
-                       [[t, m, "PASS" if ok else "FAIL"] for t, m, ok in checks]), ""]
+    lines += targets_section(model_targets(result))
+    write_md(base, lines, result)
+
+
+def targets_section(checks) -> list[str]:
+    """The markdown of `checks` ((target, measured, ok) each), each also printed."""
     for t, m, ok in checks:
         print("PASS" if ok else "FAIL", t, m)
-    lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
+    return [f"## Targets: {sum(ok for *_, ok in checks)} of {len(checks)} pass", "",
+            md_table(["target", "measured", ""],
+                     [[t, m, "PASS" if ok else "FAIL"] for t, m, ok in checks]), ""]
+
+
+def write_md(base, lines, result):
+    """`lines` and the environment line into ``base.md``."""
+    lines = [*lines, "Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()),
+             ""]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines))
     print("wrote", base + ".md")
@@ -443,12 +453,7 @@ def write(result, out_dir):
         for c in CODECS:
             cc_header += [f"cc {c}", "= hg"]
         lines += [md_table(cc_header, cc_rows), ""]
-    checks = targets(result)
-    lines += [f"## Targets: {sum(ok for *_, ok in checks)} of {len(checks)} pass", "",
-              md_table(["target", "measured", ""],
-                       [[t, m, "PASS" if ok else "FAIL"] for t, m, ok in checks]), ""]
-    for t, m, ok in checks:
-        print("PASS" if ok else "FAIL", t, m)
+    lines += targets_section(targets(result))
     if "sqnr" in result:
         lines += ["## Gradient SQNR vs the float32 model (small model, 2 blocks)", "",
                   md_table(["variant", "SQNR dB", "gradient dtypes"],
@@ -463,10 +468,7 @@ def write(result, out_dir):
                   md_table(["variant", "dot", "while", "fusion"],
                            [[n, v["dot"], v["while"], v["fusion"]]
                             for n, v in result["hlo"].items()]), ""]
-    lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("wrote", base + ".md")
+    write_md(base, lines, result)
 
 
 if __name__ == "__main__":

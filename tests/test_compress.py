@@ -258,13 +258,21 @@ def _nnx_model(with_counter=False, dtype=jnp.bfloat16):
                 self.calls[...] += 1
             return jnp.tanh(self.lin(x))
 
+    return _nnx_scan_stack(Block, 4)
+
+
+def _nnx_scan_stack(block_cls, n):
+    """`n` blocks made with ``nnx.vmap`` and run by ``nnx.scan(nnx.remat(...))``, as the
+    Flax NNX guide stacks layers."""
+    from flax import nnx
+
     @nnx.vmap(in_axes=0, out_axes=0)
     def make(key):
-        return Block(nnx.Rngs(key))
+        return block_cls(nnx.Rngs(key))
 
     class Model(nnx.Module):
         def __init__(self):
-            self.blocks = make(jax.random.split(jax.random.key(0), 4))
+            self.blocks = make(jax.random.split(jax.random.key(0), n))
 
         def __call__(self, x):
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
@@ -687,25 +695,10 @@ def test_flax_nnx_attention_blocks_slice(maybe_jit):
             x = x + self.attn(self.ln(x), mask=mask)
             return x + jax.nn.gelu(self.lin(x))
 
-    @nnx.vmap(in_axes=0, out_axes=0)
-    def make(key):
-        return Block(nnx.Rngs(key))
-
-    class Model(nnx.Module):
-        def __init__(self):
-            self.blocks = make(jax.random.split(jax.random.key(0), 2))
-
-        def __call__(self, x):
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-            @nnx.remat
-            def step(block, x):
-                return block(x)
-            return step(self.blocks, x)
-
     def loss(model, x):
         return jnp.mean(model(x) ** 2)
 
-    model = Model()
+    model = _nnx_scan_stack(Block, 2)
     x = jax.random.normal(jax.random.key(1), (16, 128, d))
     cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
     assert hg.slice_report(nnx.grad(cc), model, x) == ["sliced: 4 slices of 4 rows"]
@@ -717,13 +710,18 @@ def test_flax_nnx_attention_blocks_slice(maybe_jit):
     with highest_precision():
         got = maybe_jit(on_state(hg.flax.grad(cc)))(state, x)
         want = maybe_jit(on_state(nnx.grad(loss)))(state, x)
-    # Tolerance against the largest gradient entry: the key bias's gradient is zero up to
-    # rounding (softmax ignores a shift per query), its entries 1e-10 of noise either way.
+    _close_to_largest(got, want, rtol=1e-5)
+
+
+def _close_to_largest(got, want, rtol):
+    """`_close` with the tolerance scaled by the largest entry of all of `want`: the key
+    bias's gradient is zero up to rounding (softmax ignores a shift per query), its entries
+    1e-10 of noise either way."""
     scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(want))
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
                     strict=True):
         assert a.dtype == b.dtype
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
 
 
 def test_fewer_larger_slices_when_a_one_row_slice_is_another_program(maybe_jit):
@@ -783,8 +781,4 @@ def test_equinox_scan_of_filter_checkpoint_slices(maybe_jit):
     with highest_precision():
         got = maybe_jit(hg.grad(cc))(params, x)
         want = maybe_jit(jax.grad(loss))(params, x)
-    scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(want))
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
-                    strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+    _close_to_largest(got, want, rtol=1e-5)
