@@ -460,35 +460,6 @@ def test_a_function_without_checkpoints_warns():
 
 # ------------------------------------------------------------------ the sliced backward
 
-def test_a_traced_block_evaluates_at_a_slice_of_its_batch():
-    """The block as compress_checkpoints holds it (a jaxpr traced at the full batch),
-    evaluated at a quarter of the batch, is the full evaluation's quarter (to float32
-    rounding: XLA may block a matmul of 2 rows differently from one of 8; 64 eps of the
-    largest entry); and it is the same program as the block traced at that size (what the
-    sliced backward checks)."""
-    from hifigrad._src import compress, separable
-
-    block = _attn_block(2)
-    p = jax.tree_util.tree_map(lambda a: a[0], _attn_params(1, 32, jnp.float32))
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16, 32)), jnp.float32)
-    closed = jax.make_jaxpr(lambda x, p: block(x, p)[0])(x, p)
-    jaxpr, consts = closed.jaxpr, closed.consts
-    leaves = jax.tree_util.tree_leaves(p)
-    full = compress._eval_resizable(jaxpr, consts, x, *leaves)[0]
-    part = compress._eval_resizable(jaxpr, consts, x[:2], *leaves)[0]
-    full = np.asarray(full)[:2]
-    np.testing.assert_allclose(np.asarray(part), full, rtol=0,
-                               atol=64 * np.finfo(np.float32).eps * np.abs(full).max())
-    sliced = jax.make_jaxpr(lambda x, *l: compress._eval_resizable(jaxpr, consts, x, *l))(
-        x[:2], *leaves)
-    direct = jax.make_jaxpr(lambda x, p: block(x, p)[0])(x[:2], p)
-    axes = separable.Axes()
-    separable.batch_axes(jaxpr, [0] + [None] * len(leaves), 8, record=axes)
-    assert separable.same_program(jaxpr, sliced.jaxpr, 4, axes, consts, sliced.consts)
-    assert separable.same_program(direct.jaxpr, sliced.jaxpr, 1, None, direct.consts,
-                                  sliced.consts)
-
-
 @jax.custom_vjp
 def _clipped(x):
     return x
@@ -497,22 +468,11 @@ def _clipped(x):
 _clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1, 1),))
 
 
-@pytest.mark.parametrize("fn, match", [
-    (lambda x: x - jnp.mean(x, 0, keepdims=True), "reduces over the batch axis"),
-    (lambda x: _clipped(x) * 2, "custom_vjp"),  # its fwd and bwd are held traced in full
-])
-def test_blocks_that_are_not_resized(fn, match):
-    from hifigrad._src import compress
-
-    closed = jax.make_jaxpr(fn)(jnp.ones((8, 4)))
-    with pytest.raises(compress._Unresizable, match=match):
-        compress._eval_resizable(closed.jaxpr, closed.consts, jnp.ones((2, 4)))
-
-
-def test_a_block_that_is_not_resized_runs_its_backward_at_once():
-    """A block with a custom_vjp function under compress_checkpoints: its backward runs
-    unsliced, with the gradients of hg.scan's (sliced) backward to float32 rounding of the
-    parameter cotangents' sums, taken in another order (16 eps of the largest entry)."""
+def test_a_block_with_a_custom_vjp_slices_as_hg_scans_does():
+    """A block with a custom_vjp function (a user's clipped gradient) under
+    compress_checkpoints: its forward and backward rules are resized with the block, so it
+    slices as hg.scan's does, with the same gradients to float32 rounding of the parameter
+    cotangents' sums, taken in another order (16 eps of the largest entry)."""
     n, b, t, d = 2, 16, 64, 64
     p = _attn_params(n, d, jnp.float32)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.float32)
@@ -524,10 +484,13 @@ def test_a_block_that_is_not_resized_runs_its_backward_at_once():
         return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
 
     def scanned(p, x):
-        return jnp.mean(hg.scan(block, x, p, codec="int8")[0] ** 2)
+        return jnp.mean(hg.scan(block, x, p, codec="int8", backward_slices=4)[0] ** 2)
 
+    cc = hg.compress_checkpoints(remat, "int8", backward_slices=4)
+    assert hg.slice_report(hg.grad(cc), p, x) == ["sliced: 4 slices of 4 batch rows"]
+    assert hg.slice_report(hg.grad(scanned), p, x) == ["sliced: 4 slices of 4 batch rows"]
     with highest_precision():
-        got = jax.jit(hg.grad(hg.compress_checkpoints(remat, "int8")))(p, x)
+        got = jax.jit(hg.grad(cc))(p, x)
         want = jax.jit(hg.grad(scanned))(p, x)
     for k in got:
         scale = float(jnp.abs(want[k]).max())
@@ -642,7 +605,7 @@ def test_maxtext_style_blocks_slice_and_equal_the_unsliced_backward(maybe_jit):
     args = _llama_args(jnp.float32)
     cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
     report = hg.slice_report(jax.grad(cc), *args)
-    assert report == ["sliced: 4 slices of 4 rows"] * len(report) and report, report
+    assert report == ["sliced: 4 slices of 4 batch rows"] * len(report) and report, report
     with highest_precision():
         got = maybe_jit(hg.grad(cc))(*args)
         want = maybe_jit(jax.grad(loss))(*args)
@@ -669,7 +632,7 @@ def test_custom_jvp_activations_slice_with_their_own_rule(maybe_jit, act):
         return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
 
     cc = hg.compress_checkpoints(remat, "none", backward_slices=4)
-    assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 4 slices of 4 rows"]
+    assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 4 slices of 4 batch rows"]
     with highest_precision():
         _close(maybe_jit(hg.grad(cc))(p, x), maybe_jit(jax.grad(remat))(p, x), rtol=1e-5)
 
@@ -701,7 +664,7 @@ def test_flax_nnx_attention_blocks_slice(maybe_jit):
     model = _nnx_scan_stack(Block, 2)
     x = jax.random.normal(jax.random.key(1), (16, 128, d))
     cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
-    assert hg.slice_report(nnx.grad(cc), model, x) == ["sliced: 4 slices of 4 rows"]
+    assert hg.slice_report(nnx.grad(cc), model, x) == ["sliced: 4 slices of 4 batch rows"]
     graphdef, state = nnx.split(model)
 
     def on_state(grad):
@@ -726,7 +689,7 @@ def _close_to_largest(got, want, rtol):
 
 def test_fewer_larger_slices_when_a_one_row_slice_is_another_program(maybe_jit):
     """4 sequences of 256 tokens ask for 4 slices of one row, where JAX traces the block as
-    another program (it specializes length-1 axes): 2 slices of 2 rows are taken instead,
+    another program (it specializes length-1 axes): 2 slices of 2 batch rows are taken instead,
     and the gradients are the unsliced backward's (float32 sums reordered: RTOL)."""
     block = _attn_block(2)
     p = _attn_params(2, 32, jnp.float32)
@@ -736,7 +699,7 @@ def test_fewer_larger_slices_when_a_one_row_slice_is_another_program(maybe_jit):
         return jnp.mean(jax.lax.scan(jax.checkpoint(block), x, p)[0] ** 2)
 
     cc = hg.compress_checkpoints(remat, "none", backward_slices=4)
-    assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 2 slices of 2 rows"]
+    assert hg.slice_report(jax.grad(cc), p, x) == ["sliced: 2 slices of 2 batch rows"]
     with highest_precision():
         _close(maybe_jit(hg.grad(cc))(p, x), maybe_jit(jax.grad(remat))(p, x), rtol=1e-5)
 
@@ -777,7 +740,7 @@ def test_equinox_scan_of_filter_checkpoint_slices(maybe_jit):
 
     x = jax.random.normal(jax.random.key(1), (16, 64, d))
     cc = hg.compress_checkpoints(loss, "none", backward_slices=4)
-    assert hg.slice_report(jax.grad(cc), params, x) == ["sliced: 4 slices of 4 rows"]
+    assert hg.slice_report(jax.grad(cc), params, x) == ["sliced: 4 slices of 4 batch rows"]
     with highest_precision():
         got = maybe_jit(hg.grad(cc))(params, x)
         want = maybe_jit(jax.grad(loss))(params, x)

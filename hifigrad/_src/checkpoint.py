@@ -155,20 +155,26 @@ jax.tree_util.register_pytree_node(_Dtypes, lambda d: ((), d.dtypes),
 
 
 def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
-    from .api import _vjp
-    from .rules import PROMOTE
-
     saved, consts, dtypes, state = res
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
     if plan is not None:  # a `_SlicePlan`: the backward in batch slices
         cts_in = _sliced_backward(plan, policy, args, consts, cts)
+        if checking_slices(policy):
+            cts_in = _checked(plan, cts_in, _whole_backward(fun_flat, policy, args, consts, cts))
     else:  # the whole block's backward at once
-        _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
-        cts_in = _freeing_first(vjp_fn, cts)
+        cts_in = _whole_backward(fun_flat, policy, args, consts, cts)
     args_ct, consts_ct = _input_cotangents(cts_in, dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state).
     return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
+
+
+def _whole_backward(fun_flat, policy, args, consts, cts):
+    from .api import _vjp
+    from .rules import PROMOTE
+
+    _, vjp_fn = _vjp(lambda *a: fun_flat(*a), (*args, *consts), False, policy, PROMOTE)
+    return _freeing_first(vjp_fn, cts)
 
 
 _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
@@ -188,31 +194,24 @@ AUTO_SLICES = 4
 MIN_SLICE_ROWS = 256
 
 
-def _batched(encode, args, integers: bool = True) -> tuple[bool, ...]:
-    """Which inputs are sliced along their leading (batch) axis: the encoded ones of at least
-    two axes whose leading axis is as long as the largest encoded input's (the activations;
-    `hg.checkpoint` also encodes parameters passed as arguments, which are not sliced), and,
-    with `integers`, the integer and bool inputs whose leading axis is that long too (token
-    positions, segment ids, labels: [B, T] int32 rows that go with the activations' rows).
-    Any choice is safe: the analysis only accepts a block whose rows follow this choice."""
-    acts = [a for a, e in zip(args, encode) if e and np.ndim(a) >= 2]
+def _activations(encode, args) -> tuple[int | None, int | None, list[int]]:
+    """(batch, largest, same): the activations are the encoded float inputs of at least two
+    axes; the batch is the leading axis of the largest (`hg.checkpoint` also encodes
+    parameters passed as arguments); `same`, the activations whose leading axis is that
+    long. Which of those are sliced, and which other inputs go with them (positions, segment
+    ids, per-row weights), is the analysis' to say (`separable.analyse`)."""
+    acts = [i for i, (a, e) in enumerate(zip(args, encode))
+            if e and np.ndim(a) >= 2 and is_float_array(a)]
     if not acts:
-        return (False,) * len(args)
-    batch = np.shape(max(acts, key=np.size))[0]
-
-    def integer(a):
-        dt = jnp.result_type(a)
-        return integers and np.ndim(a) >= 1 and (jnp.issubdtype(dt, jnp.integer)
-                                                 or jnp.issubdtype(dt, jnp.bool_))
-
-    return tuple((bool(e) and np.ndim(a) >= 2 or integer(a)) and np.shape(a)[0] == batch
-                 for a, e in zip(args, encode))
+        return None, None, []
+    big = max(acts, key=lambda i: np.size(args[i]))
+    batch = np.shape(args[big])[0]
+    return batch, big, [i for i in acts if np.shape(args[i])[0] == batch]
 
 
-def _slice_count(slices, policy: Policy, batched_mask, args) -> int:
+def _slice_count(slices, policy: Policy, batched) -> int:
     """How many batch slices the recomputed backward runs in (1: all at once), from the
     batched float inputs (the activations)."""
-    batched = [a for a, b in zip(args, batched_mask) if b and is_float_array(a)]
     if not batched:
         return 1
     if slices is None:
@@ -228,20 +227,26 @@ def _slice_count(slices, policy: Policy, batched_mask, args) -> int:
 
 
 class _SlicePlan:
-    """Static: the recomputed backward runs in `k` batch slices of ``fun_k`` (the block
-    closure-converted at 1/k of the batch), whose outputs have the avals ``out_avals``;
-    ``batched[i]``: whether input i is sliced."""
+    """Static: the recomputed backward runs in `k` slices of a `batch`-row batch, each
+    evaluating ``fun_k`` (the block's program resized to the slice, `resize.eval_at`) on its
+    rows: ``in_types[i]``, input i's batch axis (None: whole in every slice);
+    ``out_types[i]``, output i's (None: independent of the batch); ``out_avals``, the
+    outputs at a slice."""
 
-    def __init__(self, k, fun_k, out_avals, batched, out_batched):
-        self.k, self.fun_k, self.out_avals, self.batched = k, fun_k, out_avals, batched
-        self.out_batched = out_batched  # per output: batched (else independent of the batch)
+    def __init__(self, k, batch, fun_k, out_avals, in_types, out_types, where=""):
+        self.k, self.batch, self.fun_k, self.out_avals = k, batch, fun_k, out_avals
+        self.in_types, self.out_types, self.where = tuple(in_types), tuple(out_types), where
+
+    def rows(self, shape, axis) -> int:
+        """How many positions of `axis` a batch row owns (`m`: more than one once the batch
+        is merged with minor axes)."""
+        return shape[axis] // self.batch
 
 
 def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
                 slices) -> _SlicePlan | None:
     """`_slice_decision`'s plan, its reason recorded for `slice_report`."""
-    plan, why = _slice_decision(fun_flat, converted, consts, flat, encode, policy, save,
-                                slices)
+    plan, why = _slice_decision(converted, consts, flat, encode, policy, save, slices)
     for log in _SLICE_LOGS:
         log.append(why)
     return plan
@@ -258,10 +263,11 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
 
     Traces `fun` abstractly (`jax.eval_shape`: nothing is computed) and returns one line per
     checkpoint traced (`hg.checkpoint`, each `hg.scan` step, each checkpoint
-    `hg.compress_checkpoints` found), in trace order: ``"sliced: 4 slices of 16 rows"``, or
-    the reason it is not, naming the equation that stopped it and where the code made it
-    (``file:line (function)``): a reduction over the batch, a custom rule whose backward
-    mixes rows, a program that depends on the batch size, ...
+    `hg.compress_checkpoints` found), in trace order: ``"sliced: 4 slices of 16 batch rows"``
+    (rows of the batch axis, the activations' leading axis), or the reason it is not, naming
+    the equation that stopped it and where the code made it (``file:line (function)``): a
+    reduction over the batch, a custom rule whose backward mixes rows, a value made at the
+    batch's size that is not made row by row, ...
 
     Args:
       fun: what to trace, usually the gradient function (``jax.grad(loss)``); the
@@ -288,104 +294,115 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
     return log
 
 
-def _slice_decision(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
+def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
                     slices) -> tuple[_SlicePlan | None, str]:
-    """How the backward of ``converted(*flat, *consts)`` (`fun_flat` closure-converted) runs:
-    in slices when `_slice_count` asks for more than one and the block is separable along
-    the batch axis, read from its programs (see `separable`): each row of its float outputs
-    is computed from the same row of its batched inputs (`_batched`) alone; its backward
-    program (custom JVP and VJP rules included) gives each batched input's cotangent rows
-    from the same rows alone and each other input's cotangent as a sum over the rows; and
-    the block traced at 1/k of the batch is that same program, forward and backward (closing
-    over the same values). Else None: at once.
-    """
+    """How the backward of ``converted(*flat, *consts)`` (the block, closure-converted) runs:
+    in slices when `_slice_count` asks for more than one and the block's program, read once
+    at the full batch, is row-wise for the activations (`separable.analyse`: every value it
+    resizes is computed row by row; its float outputs do not mix rows), resizes to a slice
+    (`resize.eval_at`), and its backward program (custom rules traced in) gives each batched
+    input's cotangent row by row and each other input's as a sum over the rows, the backward
+    of the resized block being that program at the slice's size (`separable.same_program`).
+    Else None: at once. The activations are tried sliced together, then the largest alone."""
+    from . import separable
+
     if save != "inputs":
         return None, f'save="{save}" recomputes nothing: its backward runs at once'
-    choices = [_batched(encode, flat)]
-    if _batched(encode, flat, integers=False) != choices[0]:
-        # Integer inputs as long as the batch are tried sliced with it first; a block that
-        # uses one otherwise (a count, a table) may still slice its float rows alone.
-        choices.append(_batched(encode, flat, integers=False))
-    k = _slice_count(slices, policy, choices[0], flat)
+    batch, big, same = _activations(encode, flat)
+    if batch is None:
+        return None, "no activation to slice (no encoded float input of two or more axes)"
+    k = _slice_count(slices, policy, [flat[i] for i in same])
     if k <= 1:
         return None, ("one slice asked for or chosen (a backward no wider than the saved "
-                      "activations, or fewer than 2 x 256 rows)")
+                      f"activations, or fewer than 2 x {MIN_SLICE_ROWS} rows of its matmuls)")
+    jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
+    n = len(flat) + len(consts)
     first = None
-    for batched in choices:
-        # A block traced at a slice of a few rows may be another program (JAX specializes
-        # length-1 axes: a slice of one row drops a broadcast, a reduction): fewer, larger
-        # slices are tried then, while the failure is the slice size's.
-        batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
+    for seeds in ([same, [big]] if len(same) > 1 else [same]):
+        in_types = [0 if i in seeds else None for i in range(n)]
+        typing = separable.analyse(jaxpr, in_types, batch, consts=jconsts)
+        why = _forward_mixes(typing)
+        if why is not None:
+            first = first or f"the forward mixes rows of the batch: {why}"
+            continue
+        # A block resized to a slice of a few rows may be traced differently by JAX
+        # (length-1 axes specialized in a rule): fewer, larger slices are tried then.
         for kk in [d for d in range(k, 1, -1) if batch % d == 0]:
-            plan, why, size_dependent = _slice_decision_for(fun_flat, converted, consts, flat,
-                                                            batched, kk, policy)
+            plan, why, size_dependent = _plan_for(typing, kk, flat, consts, policy)
             if plan is not None:
                 return plan, why
-            first = why if first is None else first
+            first = first or why
             if not size_dependent:
                 break
     return None, first
 
 
-def _slice_decision_for(fun_flat, converted, consts, flat, batched, k, policy: Policy):
-    """`_slice_decision` for one choice of batched inputs and slice count `k`: (plan or
-    None, why, whether the failure is the slice count's: the block or its backward at 1/k
-    of the batch cannot be traced or is another program)."""
-    from .separable import SUM, Axes, NotSeparable, batch_axes, check_backward, same_program
+def _forward_mixes(typing) -> str | None:
+    """Why the forward's analysis forbids slicing (an effect on batched values, a float
+    output that mixes rows), or None."""
+    from .separable import Mix
 
-    batch = np.shape(next(a for a, b in zip(flat, batched) if b))[0]
-    sliced = [jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]),
-                                   jnp.result_type(x)) if b else x
-              for x, b in zip(flat, batched)]
+    if typing.fatal:
+        return typing.fatal[0].why
+    for i, (v, t) in enumerate(zip(typing.jaxpr.outvars, typing.out_types)):
+        if isinstance(t, Mix) and jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            return t.why
+    return None
+
+
+def _resized(typing, k, *xs):
+    from .resize import eval_at
+
+    return eval_at(typing, xs, k)
+
+
+def _plan_for(typing, k: int, flat, consts, policy: Policy):
+    """`_slice_decision` at `k` slices: (plan or None, why, whether the failure is the slice
+    count's)."""
+    from . import resize
+    from .separable import SUM, NotSeparable, check_backward, is_axis, same_program
+
+    batch = typing.batch
+    full = [*flat, *consts]
+    in_types = typing.in_types
+    sliced = [resize.slice_aval(x, t, k) for x, t in zip(full, in_types)]
+    fun_k = functools.partial(_resized, typing, k)
     try:
-        fun_k, consts_k = jax.closure_convert(fun_flat, *sliced)
-    except Exception as e:  # noqa: BLE001 - `fun` is not batch-polymorphic
-        return (None, f"the block cannot be traced at 1/{k} of its batch "
-                f"({type(e).__name__}: {e})", True)
-    if len(consts_k) != len(consts) or any(a is not b for a, b in zip(consts, consts_k)):
-        return None, "the block closes over other values at the slice's size", False
-    in_axes = [0 if b else None for b in batched] + [None] * len(consts)
-    jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
+        out_k = jax.eval_shape(fun_k, *sliced)
+    except resize.Unresizable as e:
+        return (None, f"the block cannot be resized to 1/{k} of its batch ({e})",
+                e.size_dependent)
+    except Exception as e:  # noqa: BLE001 - a primitive that rejects the slice's shapes
+        return (None, f"the block cannot be evaluated at 1/{k} of its batch "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", True)
+    out_vars = typing.jaxpr.outvars
+    out_types = typing.out_types
+    is_float = [jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in out_vars]
+    out_avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_k]
+    full_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in out_vars]
     try:
-        axes = Axes()
-        out_axes = batch_axes(jaxpr, in_axes, batch, record=axes)
-    except NotSeparable as e:
-        return None, f"the forward mixes rows of the batch: {e}", False
-    for i, (v, a) in enumerate(zip(jaxpr.outvars, out_axes)):
-        if jnp.issubdtype(v.aval.dtype, jnp.inexact) and a not in (0, None):
-            return None, f"output {i} is batched along axis {a}, not its leading axis", False
-    # An output independent of the batch (a module's parameters that NNX's remat passes
-    # through) takes its cotangent in one slice: a sum over the slices, as `SUM`.
-    out_batched = [a == 0 for a in out_axes]
-    jaxpr_k, jconsts_k, _ = compat.make_jaxpr_closed(fun_k, *sliced, *consts)
-    diff: list = []
-    if not same_program(jaxpr, jaxpr_k, k, axes, jconsts, jconsts_k, diff):
-        return None, (f"the block traced at 1/{k} of its batch is another program "
-                      f"({'; '.join(diff) or 'its structure differs'})"), True
-    out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr_k.outvars]
-    # The backward as the slices run it, at the full batch and at a slice.
-    is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
-    full_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
-    try:
-        bwd_k, bconsts_k, _ = _backward_program(fun_k, [*sliced, *consts], out_avals,
-                                                is_float, policy)
+        bwd_k, bconsts_k, _ = _backward_program(fun_k, sliced, out_avals, is_float, policy)
+    except resize.Unresizable as e:  # a custom rule resized as its backward is traced
+        return (None, f"the block cannot be resized to 1/{k} of its batch ({e})",
+                e.size_dependent)
     except Exception as e:  # noqa: BLE001 - e.g. a custom rule that cannot run at a slice
         return None, (f"the backward cannot be traced at 1/{k} of its batch "
                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"), True
+    fun_1 = functools.partial(_resized, typing, 1)
+    bwd, bconsts, _ = _backward_program(fun_1, full, full_avals, is_float, policy)
+    ct_types = [t if is_axis(t) else SUM for t, f in zip(out_types, is_float) if f]
     try:
-        bwd, bconsts, _ = _backward_program(converted, [*flat, *consts], full_avals, is_float,
-                                            policy)
-        ct_axes = [0 if b else SUM for b, f in zip(out_batched, is_float) if f]
-        b_axes = check_backward(bwd, in_axes + ct_axes, batch,
-                                [*batched, *[False] * len(consts)])
+        b_typing = check_backward(bwd, [*in_types, *ct_types], batch, len(full),
+                                  consts=bconsts)
     except NotSeparable as e:
         return None, f"the backward mixes rows of the batch: {e}", False
     diff: list = []
-    if not same_program(bwd, bwd_k, k, b_axes, bconsts, bconsts_k, diff):
-        return None, (f"the backward traced at 1/{k} of the batch is another program "
+    if not same_program(bwd, bwd_k, k, b_typing, bconsts, bconsts_k, diff):
+        return None, (f"the backward at 1/{k} of the batch is another program "
                       f"({'; '.join(diff) or 'its structure differs'})"), True
-    return (_SlicePlan(k, fun_k, out_avals, batched, out_batched),
-            f"sliced: {k} slices of {batch // k} rows", False)
+    where = compat.current_source()
+    plan = _SlicePlan(k, batch, fun_k, out_avals, in_types, out_types, where)
+    return plan, f"sliced: {k} slices of {batch // k} batch rows", False
 
 
 def _backward_program(fun, args, out_avals, is_float, policy: Policy):
@@ -413,61 +430,156 @@ def _all_cts(float_cts, out_avals, is_float) -> list:
             for a, f in zip(out_avals, is_float)]
 
 
+def _split(x, axis: int, m: int, k: int, batch: int):
+    """`x` as `k` slices along its batch axis `axis` (`batch` rows of `m` positions each),
+    stacked on a new leading axis: slice i holds the rows i, i + k, i + 2k, ..."""
+    s = tuple(np.shape(x))
+    x = x.reshape(*s[:axis], batch // k, k, m, *s[axis + 1:])
+    x = jnp.moveaxis(x, axis + 1, 0)
+    return x.reshape(k, *s[:axis], (batch // k) * m, *s[axis + 1:])
+
+
+def _unsplit(y, axis: int, m: int, k: int, batch: int, shape):
+    """The inverse of `_split`: `k` stacked slices back to the whole of `shape`."""
+    s = tuple(shape)
+    y = y.reshape(k, *s[:axis], batch // k, m, *s[axis + 1:])
+    y = jnp.moveaxis(y, 0, axis + 1)
+    return y.reshape(s)
+
+
+# The loop over slices (`lax.scan`: one slice's working set live at a time). Tests swap in an
+# eager Python loop with the same contract to check thousands of programs without compiling.
+_SLICE_LOOP = lax.scan
+
+
 def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     """The input cotangents of the block at ``(*args, *consts)``, its backward run in
-    ``plan.k`` slices along the batch axis (a `lax.scan`, so that one slice's working set
-    is live at a time).
+    ``plan.k`` slices along the batch axis.
 
-    Each slice recomputes its rows of the block and runs their backward: the same matmuls as
-    the unsliced backward, on `k` times fewer rows. The batched inputs' cotangents are the
-    slices' concatenated; every other input's (parameters) is the sum over slices,
-    accumulated in float32 (or wider). Slice i holds the rows i, i + k, i + 2k, ... (any
-    partition of a separable block's rows gives the same cotangents): a batch sharded along
+    Each slice recomputes its rows of the block (`resize.eval_at`) and runs their backward:
+    the same matmuls as the unsliced backward, on `k` times fewer rows. A batched input's
+    cotangent is the slices' put back in place; every other input's (parameters) is the sum
+    over slices, accumulated in float32 (or wider); a batched output's cotangent goes with
+    its rows, an output independent of the batch has its whole cotangent taken once, in
+    slice 0 (its sum over the slices). Slice i holds the batch rows i, i + k, i + 2k, ... (any
+    partition of a row-wise block's rows gives the same cotangents): a batch sharded along
     its axis stays sharded, each device slicing its own rows, where contiguous slices made
     XLA's SPMD partitioner gather the batch on every device.
     """
     from .api import _vjp
     from .rules import PROMOTE
+    from .separable import is_axis
 
-    k, fun_k, out_avals, batched = plan.k, plan.fun_k, plan.out_avals, plan.batched
+    k, batch, fun_k, out_avals = plan.k, plan.batch, plan.fun_k, plan.out_avals
+    everything = (*args, *consts)
     flat_cts, ct_tree = tree_flatten(cts)
     is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
 
-    def split(x):  # slice i: rows i, i + k, i + 2k, ... (see the docstring)
-        return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+    def split(x, t):
+        return _split(x, int(t), plan.rows(np.shape(x), int(t)), k, batch)
 
-    xs_args = [split(a) for a, e in zip(args, batched) if e]
-    # A batched output's cotangent rows go with their slice; an output independent of the
-    # batch has its whole cotangent taken once, in slice 0 (its sum over the slices).
-    float_cts = [(c, b) for c, f, b in zip(flat_cts, is_float, plan.out_batched) if f]
-    xs_cts = [split(c) for c, b in float_cts if b]
-    others = [(i, x) for i, x in enumerate((*args, *consts))
-              if not (i < len(batched) and batched[i])]
+    xs_in = [split(x, t) for x, t in zip(everything, plan.in_types) if is_axis(t)]
+    float_cts = [(c, t) for c, f, t in zip(flat_cts, is_float, plan.out_types) if f]
+    xs_cts = [split(c, t) for c, t in float_cts if is_axis(t)]
+    others = [(i, x) for i, (x, t) in enumerate(zip(everything, plan.in_types))
+              if not is_axis(t)]
     acc_dtype = {i: max((np.dtype(jnp.float32), np.dtype(jnp.result_type(x)),
                          np.dtype(policy.tangent_dtype)), key=lambda t: t.itemsize)
                  for i, x in others if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
+    # The batched float inputs' cotangent rows (an integer input's is float0: made whole).
+    rows_out = [i for i, (x, t) in enumerate(zip(everything, plan.in_types))
+                if is_axis(t) and is_float_array(x)]
 
     def body(acc, xs):
-        a_sl, c_sl, i = xs
-        it, it_c = iter(a_sl), iter(c_sl)
-        full = [next(it) if e else a for a, e in zip(args, batched)]
-        c_all = [next(it_c) if b else jnp.where(i == 0, c, jnp.zeros_like(c))
-                 for c, b in float_cts]
+        x_sl, c_sl, i = xs
+        it, it_c = iter(x_sl), iter(c_sl)
+        inputs = [next(it) if is_axis(t) else x for x, t in zip(everything, plan.in_types)]
+        c_all = [next(it_c) if is_axis(t) else jnp.where(i == 0, c, jnp.zeros_like(c))
+                 for c, t in float_cts]
         cts_sl = _all_cts(c_all, out_avals, is_float)
-        _, vjp_fn = _vjp(lambda *a: fun_k(*a), (*full, *consts), False, policy, PROMOTE)
+        _, vjp_fn = _vjp(lambda *a: fun_k(*a), tuple(inputs), False, policy, PROMOTE)
         cts_in = _freeing_first(vjp_fn, tree_unflatten(ct_tree, cts_sl))
-        acc = {i: acc[i] + cts_in[i].astype(acc[i].dtype) for i in acc}
-        return acc, [cts_in[i] for i in rows_out]
+        acc = {j: acc[j] + cts_in[j].astype(acc[j].dtype) for j in acc}
+        return acc, [cts_in[j] for j in rows_out]
 
-    # The batched float inputs' cotangent rows (an integer input's is float0: made whole).
-    rows_out = [i for i, e in enumerate(batched) if e and is_float_array(args[i])]
     acc0 = {i: jnp.zeros(np.shape(x), acc_dtype[i]) for i, x in others if i in acc_dtype}
-    acc, ys = lax.scan(body, acc0, (xs_args, xs_cts, jnp.arange(k)))
-    rows = {i: jnp.swapaxes(y, 0, 1).reshape(np.shape(args[i])) for i, y in zip(rows_out, ys)}
+    acc, ys = _SLICE_LOOP(body, acc0, (xs_in, xs_cts, jnp.arange(k)))
+    rows = {i: _unsplit(y, int(plan.in_types[i]),
+                        plan.rows(np.shape(everything[i]), int(plan.in_types[i])), k, batch,
+                        np.shape(everything[i]))
+            for i, y in zip(rows_out, ys)}
     return tuple(
         rows[i] if i in rows else acc[i] if i in acc
         else np.zeros(np.shape(x), jax.dtypes.float0)
-        for i, x in enumerate((*args, *consts)))
+        for i, x in enumerate(everything))
+
+
+# ------------------------------------------------------------------ checking the slices
+
+# `Policy(check_slices=True)`, or this environment variable set to 1, checks every sliced
+# backward against the whole one (see `checking_slices`).
+CHECK_SLICES_ENV = "HIFIGRAD_CHECK_SLICES"
+
+
+class SliceCheckError(RuntimeError):
+    """A checkpoint's sliced backward differs from its unsliced backward (a hifigrad bug:
+    please report it with the message). Raised where `Policy(check_slices=True)` (or the
+    environment variable ``HIFIGRAD_CHECK_SLICES=1``) asks for the check."""
+
+
+def checking_slices(policy: Policy) -> bool:
+    """Whether a sliced backward is checked against the whole one: `Policy.check_slices`, or
+    ``HIFIGRAD_CHECK_SLICES=1`` in the environment (read when the backward is traced)."""
+    import os
+
+    env = os.environ.get(CHECK_SLICES_ENV, "").strip().lower()
+    return bool(getattr(policy, "check_slices", False)) or env in ("1", "true", "yes", "on")
+
+
+def slice_tolerance(dtypes) -> float:
+    """The norm-wise relative difference between a sliced and an unsliced backward beyond
+    which they differ: 2**-10 (about 1e-3) when every input is float32 or wider, the two
+    differing only in the order of float32 sums (a few ulps, 1e-6); for a block computing in
+    a narrower dtype, 4 ulps of that dtype (bf16: 2**-6), since XLA may round the
+    recomputed forward's low-precision values differently at another batch size. A wrong
+    slicing is off by far more (every class found so far: 10% or more)."""
+    narrow = [np.finfo(dt).eps for dt in dtypes if jnp.issubdtype(dt, jnp.floating)
+              and np.dtype(dt).itemsize < 4]
+    return max([2.0 ** -10, *(4 * float(e) for e in narrow)])
+
+
+def _checked(plan: _SlicePlan, sliced, whole):
+    """`sliced`, after checking it against `whole` when the program runs: a norm-wise
+    relative difference above `slice_tolerance` for any input raises `SliceCheckError`
+    naming the checkpoint's source line."""
+    pairs = [(i, s, w) for i, (s, w) in enumerate(zip(sliced, whole))
+             if jnp.issubdtype(jnp.result_type(w), jnp.inexact)]
+    if not pairs:
+        return sliced
+    tol = slice_tolerance([jnp.result_type(a) for a in plan.out_avals])
+    errs = []
+    for _, s, w in pairs:
+        s32, w32 = jnp.asarray(s, jnp.float32), jnp.asarray(w, jnp.float32)
+        errs.append(jnp.linalg.norm((s32 - w32).ravel())
+                    / jnp.maximum(jnp.linalg.norm(w32.ravel()), jnp.float32(1e-30)))
+    errs = jnp.stack(errs)
+    names = [i for i, _, _ in pairs]
+    where = plan.where or "an unknown place"
+
+    def report(errs):
+        errs = np.asarray(errs)
+        bad = [(n, e) for n, e in zip(names, errs) if not (e <= tol)]
+        if bad:
+            n, e = bad[0]
+            raise SliceCheckError(
+                f"hifigrad: the checkpoint at {where} ran its backward in {plan.k} batch "
+                f"slices and got input {n}'s cotangent {e:.3g} away (norm-wise, relative) "
+                f"from its unsliced backward (tolerance {tol:.3g}). This is a hifigrad bug: "
+                f"please report it with this message. Meanwhile backward_slices=1 runs "
+                f"that checkpoint's backward at once.")
+
+    jax.debug.callback(report, errs)
+    return sliced
 
 
 # ------------------------------------------------------------------ the backward's op order

@@ -202,6 +202,8 @@ pvary_p = _find("jax._src.lax.parallel", "pvary_p") or _find("jax._src.core", "p
 pcast_p = _find("jax._src.lax.parallel", "pcast_p")
 pbroadcast_p = _find("jax._src.lax.parallel", "pbroadcast_p")
 call_hi_primitive_p = _find("jax._src.hijax", "call_hi_primitive_p")  # jax >= 0.12
+name_p = _find("jax._src.ad_checkpoint", "name_p")  # jax.ad_checkpoint.checkpoint_name
+stop_gradient_p = _find("jax._src.ad_util", "stop_gradient_p")
 _REF_PRIMITIVES = frozenset(p for p in (
     _find("jax._src.core", "ref_p"), _find("jax._src.core", "empty_ref_p"),
     _find("jax._src.state.primitives", "get_p"), _find("jax._src.state.primitives", "swap_p"),
@@ -227,6 +229,23 @@ def shard_map_call(fun: Callable, params: dict, args: Sequence[Any]) -> list[Any
                     axis_names=frozenset(params.get("newly_manual_axes", frozenset())),
                     check_vma=params.get("check_vma", True))
     return list(sm(*args))
+
+
+def batching_kind(prim) -> str | None:
+    """How the installed JAX batches `prim`, read from its batching registry: ``"broadcast"``
+    for n-ary elementwise primitives (`batching.defbroadcasting`: operands of one rank,
+    size-1 axes and scalars broadcast, each output element from the operands' elements at
+    the same position), ``"vectorized"`` for primitives that map over every axis of their
+    operands (`batching.defvectorized`: unary elementwise ops, `random_bits` over its keys),
+    else None. Evidence for `separable`'s row rules: a batch axis anywhere passes through."""
+    registry = getattr(_batching, "fancy_primitive_batchers", None)
+    rule = registry.get(prim) if isinstance(registry, dict) else None
+    func = rule.func if isinstance(rule, functools.partial) else None
+    if func is not None and func is getattr(_batching, "broadcast_batcher", object()):
+        return "broadcast"
+    if func is not None and func is getattr(_batching, "vectorized_batcher", object()):
+        return "vectorized"
+    return None
 
 
 def primitives_named(names: Sequence[str]) -> list[Primitive]:
@@ -296,6 +315,14 @@ def source_summary(eqn) -> str:
         return ""
 
 
+def current_source() -> str:
+    """Where the user's code is being traced now ("model.py:12:8 (block)"), or ""."""
+    try:
+        return str(_source_info_util.summarize(_source_info_util.current()))
+    except Exception:  # noqa: BLE001 - a best-effort label for messages
+        return ""
+
+
 @contextlib.contextmanager
 def eqn_context(eqn):
     """The context eval_jaxpr binds an equation in: its source info (for error messages and
@@ -314,11 +341,11 @@ def eqn_ctx(eqn):
 
 def custom_jvp_with_rule(params: dict, call_jaxpr, jvp_jaxpr) -> dict:
     """A `custom_jvp_call` equation's params with another primal program `call_jaxpr` (a
-    closed jaxpr) and JVP program: ``jvp_jaxpr(jaxpr, consts, in_zeros)`` maps what the
-    equation's own JVP rule gives for the tangents' symbolic zeros ``in_zeros`` (its JVP
-    jaxpr of the primals and non-zero tangents, its consts, the output tangents' zeros) to
-    the new (jaxpr, consts); the output zeros are kept. The rule keeps its name (its debug
-    info). Params: ``call_jaxpr``, ``jvp_jaxpr_fun`` (a `WrappedFun` of the zeros),
+    closed jaxpr) and JVP program: ``jvp_jaxpr(jaxpr, consts, in_zeros, out_zeros)`` maps
+    what the equation's own JVP rule gives for the tangents' symbolic zeros ``in_zeros``
+    (its JVP jaxpr of the primals and non-zero tangents, its consts; ``out_zeros``, which
+    output tangents are zero, kept) to the new (jaxpr, consts). The rule keeps its name (its
+    debug info). Params: ``call_jaxpr``, ``jvp_jaxpr_fun`` (a `WrappedFun` of the zeros),
     ``num_consts``, ``symbolic_zeros`` on every release admitted."""
     old = params["jvp_jaxpr_fun"]
     cache: dict = {}
@@ -327,12 +354,43 @@ def custom_jvp_with_rule(params: dict, call_jaxpr, jvp_jaxpr) -> dict:
         key = tuple(bool(z) for z in in_zeros)
         if key not in cache:
             jaxpr, consts, out_zeros = old.call_wrapped(*in_zeros)
-            new_jaxpr, new_consts = jvp_jaxpr(jaxpr, consts, key)
+            new_jaxpr, new_consts = jvp_jaxpr(jaxpr, consts, key,
+                                              tuple(bool(z) for z in out_zeros))
             cache[key] = (new_jaxpr, new_consts, out_zeros)
         return cache[key]
 
     return dict(params, call_jaxpr=call_jaxpr,
                 jvp_jaxpr_fun=_lu.wrap_init(thunk, debug_info=old.debug_info))
+
+
+def custom_vjp_with_fwd(params: dict, call_jaxpr, fwd_jaxpr) -> dict:
+    """A `custom_vjp_call` equation's params with another primal program `call_jaxpr` (a
+    closed jaxpr) and forward program: ``fwd_jaxpr(jaxpr, consts)`` maps the forward rule's
+    program (the primals to the residuals and results, as the equation's ``fwd_jaxpr_thunk``
+    traces it for the tangents' symbolic zeros) to the new (jaxpr, consts). The backward
+    function (``bwd``) is kept. Params: ``call_jaxpr``, ``fwd_jaxpr_thunk`` (a `WrappedFun`
+    of the zeros returning (jaxpr, consts)), ``num_consts``, ``bwd``, ``out_trees``,
+    ``symbolic_zeros`` on every release admitted."""
+    old = params["fwd_jaxpr_thunk"]
+    cache: dict = {}
+
+    def thunk(*zeros):
+        key = tuple(bool(z) for z in zeros)
+        if key not in cache:
+            with assumption("read a custom_vjp forward rule's program"):
+                jaxpr, consts = old.call_wrapped(*zeros)
+            cache[key] = fwd_jaxpr(*jaxpr_and_consts_of(jaxpr, consts))
+        return cache[key]
+
+    return dict(params, call_jaxpr=call_jaxpr,
+                fwd_jaxpr_thunk=_lu.wrap_init(thunk, debug_info=old.debug_info))
+
+
+def jaxpr_and_consts_of(jaxpr, consts) -> tuple[Any, list]:
+    """An open jaxpr and its constvars' values, from a (jaxpr, consts) pair JAX hands out
+    (0.11+ may attach the consts to the jaxpr too)."""
+    j, c = jaxpr_and_consts(jaxpr)
+    return j, list(c) if c else list(consts)
 
 
 def bind_eqn(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:

@@ -46,7 +46,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import tree_flatten, tree_unflatten
 
-from . import compat, separable
+from . import compat
 from .checkpoint import check_save, check_slices, checkpoint_call
 from .codecs import get_codec
 from .dtypes import is_real_float
@@ -145,9 +145,9 @@ class _Rewriter:
         closed = eqn.params["jaxpr"]
         jaxpr, consts = compat.jaxpr_and_consts(closed)
         # The block as written (checkpoints nested in it stay plain `jax.checkpoint`s: they
-        # only act during this block's own recomputation), evaluable at a slice of its batch
-        # so that its backward may run in slices (`checkpoint`'s ``backward_slices``).
-        body = functools.partial(_eval_resizable, jaxpr, consts)
+        # only act during this block's own recomputation). `checkpoint` reads its program
+        # and resizes it to slices of the batch where its backward may run in slices.
+        body = functools.partial(_eval_plain_args, jaxpr, consts)
         flat = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in vals]
         encode = [not a and _is_activation_dtype(v.aval) for v, a in zip(eqn.invars, alive)]
         in_tree = jax.tree_util.tree_structure(tuple(flat))
@@ -157,163 +157,8 @@ class _Rewriter:
         return list(out)
 
 
-# ---------------------------------------------------------------------- a block at a slice
-# `checkpoint` runs a recomputed block's backward in slices of its batch when the block,
-# traced at the slice's size, is provably the same program (separable.py). A block here is a
-# jaxpr traced at the full batch, so it is evaluated at a slice by re-binding each equation
-# with its shape params divided along the batch axis. Which axis of each value is the batch
-# axis is what `separable.batch_axes` finds (one analysis for both): a batched value's, or
-# the axis at which a batch-independent value meets the batch (a broadcast mask, an iota),
-# which is made at the slice's size where it is made. jit calls, conditionals and nested
-# checkpoints are re-traced at the slice's size; a custom_jvp / custom_vjp function on
-# batched values (JAX holds its rule traced at the full batch) and anything the analysis
-# rejects raise `_Unresizable`, and the block then runs at its full size only (checkpoint's
-# backward at once). Whatever is built here is checked again by `checkpoint`: the analysis
-# of the whole block and `separable.same_program` against the program at the slice's size.
-
-
-class _Unresizable(Exception):
-    pass
-
-
-def _shape(v):
-    return tuple(getattr(v.aval, "shape", ()))
-
-
-def _sub_jaxpr(eqn):
-    return compat.jaxpr_and_consts(
-        next(eqn.params[k] for k in ("jaxpr", "call_jaxpr") if k in eqn.params))
-
-
-@functools.lru_cache(maxsize=256)
-def _resize_plan(jaxpr, in_axes: tuple, batch: int) -> separable.Axes:
-    """The batch axis of each variable of `jaxpr` (nested jaxprs' included) with its inputs
-    batched along `in_axes` (an axis or None per input), a batch axis `batch` rows long."""
-    record = separable.Axes()
-    try:
-        separable.batch_axes(jaxpr, list(in_axes), batch, record=record)
-    except separable.NotSeparable as e:
-        raise _Unresizable(str(e)) from None
-    return record
-
-
-def _resized_params(eqn, axes: separable.Axes, k: int) -> dict | None:
-    """`eqn`'s params with its output's batch axis `k` times shorter (None: unchanged)."""
-    outs = [v for v in eqn.outvars if not compat.is_dropvar(v)]
-    a = axes.batch_axis(outs[0]) if outs else None
-    if a is None:
-        return None
-    name = eqn.primitive.name
-    key = {"broadcast_in_dim": "shape", "iota": "shape", "reshape": "new_sizes",
-           "slice": "limit_indices"}.get(name)
-    if key is None:
-        return None
-    shape = list(eqn.params[key])
-    shape[a] //= k
-    return dict(eqn.params, **{key: tuple(shape)})
-
-
-def _involved(eqn, axes: separable.Axes) -> bool:
-    """Whether an equation takes or makes a value with a batch axis."""
-    return any(not compat.is_literal(v) and axes.batch_axis(v) is not None
-               for v in (*eqn.invars, *eqn.outvars) if not compat.is_dropvar(v))
-
-
-def _eval_resized(jaxpr, consts, args, axes: separable.Axes, k: int, batch: int) -> list:
-    env: dict = {}
-
-    def read(v):
-        return v.val if compat.is_literal(v) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if compat.jaxprs_in_params(eqn.params) and _involved(eqn, axes):
-            outs = _eval_resized_nested(eqn, invals, axes, k, batch)
-        else:
-            outs = compat.bind_eqn(eqn, invals, _resized_params(eqn, axes, k))
-        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not compat.is_dropvar(v))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _retrace(closed, axes, k, batch, args):
-    jaxpr, consts = compat.jaxpr_and_consts(closed)
-    return jax.make_jaxpr(lambda *a: _eval_resized(jaxpr, consts, a, axes, k, batch))(*args)
-
-
-def _eval_resized_nested(eqn, invals, axes: separable.Axes, k: int, batch: int) -> list:
-    """An equation holding jaxprs, at the slice's size: a jit call or a conditional re-bound
-    with its jaxprs re-traced at that size (the same equation, so that the sliced block is
-    the same program), a nested checkpoint re-staged, a custom_jvp function re-bound with its
-    primal and its JVP rule's program resized (`_resized_custom_jvp`)."""
-    prim = eqn.primitive
-    if prim in (compat.pjit_p, compat.closed_call_p):
-        sub, _ = _sub_jaxpr(eqn)
-        n = len(sub.invars)
-        key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
-        closed = _retrace(eqn.params[key], axes, k, batch, invals[len(invals) - n:])
-        return compat.bind_eqn(eqn, invals, dict(eqn.params, **{key: closed}))
-    if prim is compat.cond_p:
-        branches = tuple(_retrace(br, axes, k, batch, invals[1:])
-                         for br in eqn.params["branches"])
-        return compat.bind_eqn(eqn, invals, dict(eqn.params, branches=branches))
-    if prim is compat.remat_p:
-        sub, consts = compat.jaxpr_and_consts(eqn.params["jaxpr"])
-        fn = jax.checkpoint(lambda *a: _eval_resized(sub, consts, a, axes, k, batch),
-                            prevent_cse=eqn.params.get("prevent_cse", True),
-                            policy=eqn.params.get("policy"))
-        return list(fn(*invals))
-    if prim is compat.custom_jvp_call_p:
-        return compat.bind_eqn(eqn, invals, _resized_custom_jvp(eqn, invals, axes, k, batch))
-    raise _Unresizable(f"{prim.name}: its rule or body is traced at the full batch")
-
-
-def _resized_custom_jvp(eqn, invals, axes: separable.Axes, k: int, batch: int) -> dict:
-    """A custom_jvp function's params at the slice's size. JAX holds its JVP rule traced at
-    the full batch (a thunk of the tangents' symbolic zeros); the rule's program is resized
-    as the block is, by its own analysis (its inputs: the primals, batched as the call's
-    operands, and their non-zero tangents, batched alike). `checkpoint` then checks the
-    backward program, the rule traced in, against the full one's."""
-    nc = eqn.params["num_consts"]
-    call = _retrace(eqn.params["call_jaxpr"], axes, k, batch, invals)
-    primals = invals[nc:]
-    p_axes = [None if compat.is_literal(v) else axes.batch_axis(v) for v in eqn.invars[nc:]]
-
-    def jvp(jaxpr, consts, zeros):
-        t_axes = [a for a, z in zip(p_axes, zeros) if not z]
-        tangents = [jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)
-                                         if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
-                                         else jax.dtypes.float0)
-                    for p, z in zip(primals, zeros) if not z]
-        plan = _resize_plan(jaxpr, (*p_axes, *t_axes), batch)
-        closed = jax.make_jaxpr(lambda *a: _eval_resized(jaxpr, consts, a, plan, k, batch))(
-            *[jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)) for p in primals],
-            *tangents)
-        return closed.jaxpr, closed.consts
-
-    return compat.custom_jvp_with_rule(eqn.params, call, jvp)
-
-
-def _eval_resizable(jaxpr, consts, *args) -> list:
-    """`jaxpr` on `args`, which are its inputs or slices of them along their leading axis."""
-    in_axes, ks, batch = [], set(), None
-    for v, x in zip(jaxpr.invars, args):
-        full, got = _shape(v), tuple(np.shape(x))
-        if full == got:
-            in_axes.append(None)
-            continue
-        if len(full) != len(got) or full[1:] != got[1:] or not got[0] or full[0] % got[0]:
-            raise _Unresizable(f"an input of shape {got} for {full}")
-        in_axes.append(0)
-        ks.add(full[0] // got[0])
-        batch = full[0]
-    if not ks:
-        return _eval_plain(jaxpr, consts, args)
-    if len(ks) != 1:
-        raise _Unresizable("inputs sliced by different factors")
-    return _eval_resized(jaxpr, consts, args, _resize_plan(jaxpr, tuple(in_axes), batch),
-                         ks.pop(), batch)
+def _eval_plain_args(jaxpr, consts, *args) -> list:
+    return _eval_plain(jaxpr, consts, args)
 
 
 def _eval_plain(jaxpr, consts, args) -> list:

@@ -61,6 +61,12 @@ class Policy:
         (for example ``1 - tanh(x)**2`` saved in bf16); ``'tangent'`` recomputes the coefficients
         of elementwise transcendental ops in ``tangent_dtype`` in the backward, from the saved
         primal values. The forward's values are unchanged either way.
+      check_slices: also run every checkpoint backward that runs in batch slices
+        (``backward_slices``) at once, on the same inputs, and raise
+        `hifigrad.SliceCheckError` naming the checkpoint's source line if the two differ
+        beyond float rounding (`checkpoint.slice_tolerance`). It costs the unsliced backward
+        (its time and memory) on top: turn it on for a step or two of a new model. The
+        environment variable ``HIFIGRAD_CHECK_SLICES=1`` turns it on everywhere.
 
     Raises:
       ValueError: ``tangent_dtype`` is not a real floating dtype; a field has a value outside
@@ -80,6 +86,7 @@ class Policy:
     unsupported: Literal["fallback", "error"] = "fallback"
     coefficients: Literal["forward", "tangent"] = "forward"
     matmul_precision: Literal["default", "high", "highest"] | None = None
+    check_slices: bool = False
 
     def __post_init__(self):
         try:
@@ -98,6 +105,9 @@ class Policy:
                                      ("coefficients", self.coefficients, _COEFFICIENTS)):
             if value not in allowed:
                 raise ValueError(f"Policy.{name} must be one of {allowed}; got {value!r}.")
+        if not isinstance(self.check_slices, bool):
+            raise ValueError(f"Policy.check_slices must be True or False; got "
+                             f"{self.check_slices!r}.")
         prec = self.matmul_precision
         if isinstance(prec, lax.Precision):
             prec = prec.name.lower()

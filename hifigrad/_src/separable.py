@@ -1,46 +1,63 @@
-"""Whether a function is separable along its inputs' leading (batch) axis, read from its program.
+"""Which values of a program are computed row by row along the batch axis: one abstract
+interpretation over one lattice, with its rules in one registry keyed by primitive.
 
-A recomputed block's backward may run in slices along the batch axis (`checkpoint`'s
-``backward_slices``) only when the block computes each row of its outputs from the same row of
-its batched inputs and from nothing that varies along that axis. That is never assumed: this
-module proves it from the block's jaxpr, or says why it cannot.
+A recomputed block's backward may run in slices of the batch (`checkpoint`'s
+``backward_slices``): each slice re-runs the block *resized* to its rows (`resize.py`: every
+equation re-bound with its batch axis `k` times shorter), and the slices' cotangents are
+concatenated (activations) or summed (parameters). That is right exactly when every value the
+resized program computes is the restriction of the full program's value to the slice's rows.
+This module decides which values are, from the block's jaxpr, by giving each variable a type:
 
-`batch_axes` propagates, equation by equation, which axis of each value is the batch axis (or
-None: the value does not depend on a batched input). Each primitive has a rule that accepts
-only what keeps rows apart: elementwise ops; broadcasts, transposes, squeezes; reshapes that
-keep the batch axis major over what it merges with; reductions, cumulative ops and slices
-along other axes; `dot_general` with the batch axis free or a batch dimension, never
-contracted. A value that depends on no batched input but meets a batched one (a broadcast
-parameter, an iota mask) must be provably constant along the batch axis. Call-like equations
-(jit, custom_jvp/custom_vjp calls, remat) are looked into. Anything else (gathers, scatters,
-random bits, loops, effects, an unknown primitive) makes the function not separable.
+``None`` (*unbatched*)
+    The value is not resized: the slice computes it by the same equations from the same
+    unbatched values, so it is the full program's value, bit for bit.
+an axis ``a`` (*batched*)
+    The value's axis ``a`` is ``batch * m`` long, batch-major (a batch row owns ``m``
+    consecutive positions: ``m > 1`` once the batch is merged with minor axes, as in
+    ``[B, T, D] -> [B*T, D]``), and the resized value is the full one restricted to the
+    slice's rows along it. *Every* resized value is batched, whatever it depends on: an
+    ``ones(h.shape[:2])`` mask that meets the batch is batched, and so is every other use of
+    it (its sum over the batch axis mixes rows). Nothing is resized that is not batched.
+`SUM` (backward programs only)
+    The value is a sum over the batch's rows of per-row terms, not resized: the slices' values
+    add up to the full one (a parameter's cotangent). It stays one only through additive maps.
+`Mix` (*mixing*)
+    Anything else: reduced, accumulated, sorted or gathered across the batch axis, computed
+    from a sum over the batch nonlinearly, made by a primitive with no rule. A mixing value
+    must reach no output that the slices need.
 
-`check_backward` applies the same analysis to the block's *backward* program, the one the
-sliced backward runs (its forward recomputation, the JVP rules of its custom_jvp functions
-and the bwd functions of its custom_vjp functions, all traced in): a custom rule is analysed
-as it is, never assumed to follow its forward. A backward sums over the batch (a parameter's
-cotangent), so here a value may also be a *sum over the batch* (`SUM`): made by a reduction
-or contraction over the batch axis, then only transformed additively (sums of sums,
-products with batch-independent values, reshapes, ...). The sliced backward adds up its
-slices' parameter cotangents, which equals the whole backward's exactly when each is such a
-sum; a normalisation by a global norm, a clip of the sum, or a sum meeting batched rows is
-not, and makes the block not separable.
+Types flow forward through each equation by its primitive's rule (`RULES`, keyed by
+primitive; JAX's own batching registry is the evidence for the elementwise ones, see
+`compat.batching_kind`). A primitive without a rule makes its outputs mixing whenever an
+operand is batched. No equation is skipped: one whose operands are all unbatched is unbatched
+only because its result does not depend on which rows a slice holds.
 
-`same_program` then checks that the function traced at the slice's batch size is the same
-program as the one analysed: the same equations, wired the same way, with equal constants
-and literals, and shapes and shape params `k` times smaller only at the positions the
-analysis found to be the batch axis (`Axes`). A Python branch on the batch size, a constant
-computed from it or drawn at trace time, or a length that scales with it along another axis
-would otherwise make the analysed program and the sliced one differ.
+Batchedness also flows *back from uses*: when an unbatched operand must be batched for an
+equation to be row-wise (``mask * x``, ``mask`` of shape ``[B, T]`` unbatched, ``x`` batched),
+the rule *demands* it, and the analysis runs again with that variable forced batched, until
+no new demand arises (a fixpoint: demands only add batchedness). The producer of a forced
+value must then make it row by row: a broadcast along the batch axis does, an iota along it
+(the row's position) does not, and a value that also feeds a reduction over the batch axis is
+mixing there. A block input may be forced too (positions or segment ids ``[B, T]`` sliced with
+the activations, a per-row weight); a program constant may not.
+
+`check_backward` runs the same analysis on the block's backward program, where reductions and
+contractions over the batch axis make `SUM`s, and checks that every batched input's
+cotangent is batched along the same axis and every other input's is a `SUM` (or zero).
+`same_program` checks that a program traced at the slice's size is the analysed one with
+exactly its batched axes `k` times shorter (the backward of the resized block, whose custom
+rules ran as the user wrote them, against the analysed backward).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax import lax
 
 from . import compat
 
@@ -52,76 +69,36 @@ class NotSeparable(Exception):
 
 
 class _Sum:
-    """The axis marker of a value that is a sum over the batch's rows of per-row terms."""
+    """The type of a value that is a sum over the batch's rows of per-row terms."""
 
     def __repr__(self):
         return "SUM"
 
 
 SUM = _Sum()
-_CONFLICT = object()
 
 
-class Axes:
-    """What an analysis found, per variable (nested jaxprs' included): ``of[v]``, the batch
-    axis of `v` (an int, or `SUM`); ``meets[v]``, the axis at which `v`, which depends on no
-    batched input, meets the batch axis (a broadcast mask). `same_program` lets a shape
-    differ from the analysed one only there."""
+class Mix:
+    """The type of a mixing value; ``why`` names the equation that made it and the reason."""
 
-    def __init__(self):
-        self.of: dict = {}
-        self.meets: dict = {}
+    __slots__ = ("why",)
 
-    @staticmethod
-    def _put(d, v, a):
-        if d.get(v, a) is not a and d.get(v, a) != a:
-            d[v] = _CONFLICT  # a jaxpr called at two sites with different axes
-        else:
-            d[v] = a
+    def __init__(self, why: str):
+        self.why = why
 
-    def batch_axis(self, v):
-        """The axis along which `v`'s length may be `k` times smaller at a slice, or None."""
-        for d in (self.of, self.meets):
-            a = d.get(v)
-            if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
-                return int(a)
-        return None
+    def __repr__(self):
+        return f"Mix({self.why!r})"
 
 
-ELEMENTWISE = frozenset("""
-    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
-    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
-    one_minus_square or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt
-    square sub tan tanh xor hifigrad_upcast stop_gradient optimization_barrier add_any
-    name sharding_constraint
-    """.split())
-# Elementwise ops through which a sum over the batch stays one (`SUM`): f(a + b) = f(a) + f(b).
-_LINEAR_UNARY = frozenset("""
-    neg convert_element_type copy copy_p reduce_precision hifigrad_upcast real imag
-    stop_gradient name sharding_constraint
-    """.split())
-REDUCTIONS = frozenset("""
-    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
-    reduce_precision
-    """.split()) - {"reduce_precision"}
-CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+_CONFLICT = "conflict"  # a variable demanded batched along two axes
 
 
-def call_jaxpr(eqn):
-    """The sub-jaxpr of a call-like equation with the equation's arity, or None."""
-    from .rules import CALL_PRIMITIVES, _call_jaxpr_param
-
-    if eqn.primitive not in CALL_PRIMITIVES:
-        return None
-    jaxpr = compat.jaxpr_and_consts(_call_jaxpr_param(eqn))[0]
-    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
-        return None
-    return jaxpr
+def is_axis(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
 
 
-def _shape(v):
-    return tuple(v.aval.shape)
+def _shape(v) -> tuple:
+    return tuple(getattr(v.aval, "shape", ()))
 
 
 def _producers(jaxpr) -> dict:
@@ -129,338 +106,1094 @@ def _producers(jaxpr) -> dict:
     return {v: e for e in jaxpr.eqns for v in e.outvars if not compat.is_dropvar(v)}
 
 
-def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False,
-               record: Axes | None = None, outer: dict | None = None) -> list:
-    """The batch axis of each of `jaxpr`'s outputs (None: independent of the batched inputs),
-    given each input's (`in_axes`), a batch axis being `batch` rows long (or a multiple of it,
-    once merged with minor axes). Raises `NotSeparable` naming the first equation that mixes
-    rows, or that this analysis does not know.
+class Typing:
+    """What the analysis found for one jaxpr at one call site: ``of[v]``, the type of each of
+    its variables, and ``subs[i][j]``, the `Typing` of the j-th jaxpr in equation i's params
+    (`compat.jaxprs_in_params` order) wherever the analysis looked into it."""
 
-    With `sums` (a backward program), a reduction or contraction over the batch axis makes a
-    sum over the batch (`SUM`), which may then only be transformed additively. `record`
-    collects every variable's axis (see `Axes`). `outer` maps a call body's inputs to the
-    caller's operands (see `_constant_along`)."""
-    record = Axes() if record is None else record
-    env: dict = {v: a for v, a in zip(jaxpr.invars, in_axes)}
-    for v, a in env.items():
-        record._put(record.of, v, a)
-    producer = _producers(jaxpr)
-    outer = {} if outer is None else outer
+    def __init__(self, jaxpr, consts, batch: int, path: tuple):
+        self.jaxpr, self.consts, self.batch, self.path = jaxpr, list(consts), batch, path
+        self.of: dict = {}
+        self.subs: dict = {}
+        self.fatal: list[Mix] = []  # (the root's) effects on batched values
+        self._producer = None
 
-    def axis(v):
-        return None if compat.is_literal(v) else env.get(v)
+    def type(self, v):
+        return None if compat.is_literal(v) else self.of.get(v)
 
-    def constant_along(v, a) -> bool:
-        """Whether `v` (independent of the batched inputs) is constant along its axis `a`."""
-        return _constant_along(v, a, producer, outer, record)
+    def axis(self, v) -> int | None:
+        t = self.type(v)
+        return int(t) if is_axis(t) else None
 
-    def fail(eqn, why):
-        where = compat.source_summary(eqn)
-        raise NotSeparable(f"{eqn.primitive.name}{f' at {where}' if where else ''}: {why}")
+    def sub(self, i: int, j: int) -> Typing | None:
+        return self.subs.get(i, {}).get(j)
 
-    for eqn in jaxpr.eqns:
-        axes = [axis(v) for v in eqn.invars]
-        outs = eqn.outvars
-        if all(a is None for a in axes):
-            for v in outs:
-                env[v] = None
-            continue
-        if eqn.effects:
-            fail(eqn, "has effects")
-        name = eqn.primitive.name
-        sub = call_jaxpr(eqn)
-        if sub is not None:
-            out_axes = batch_axes(sub, axes, batch, sums=sums, record=record,
-                                  outer=_outer(sub.invars, eqn.invars, producer, outer))
-        elif name == "cond":
-            out_axes = _cond_axes(eqn, axes, batch, sums, record, fail, producer, outer)
-        elif any(a is SUM for a in axes):
-            out_axes = _sum_axes(eqn, axes, producer, fail)
-        elif name == "optimization_barrier":
-            out_axes = list(axes)
-        elif name in ELEMENTWISE:
-            marked = {a for a in axes if a is not None}
-            if len(marked) != 1:
-                fail(eqn, "operands batched along different axes")
-            (a,) = marked
-            for v, ax in zip(eqn.invars, axes):
-                if ax is None and not constant_along(v, a):
-                    fail(eqn, "an operand that does not depend on the batch varies along it")
-            out_axes = [a] * len(outs)
-        elif name == "broadcast_in_dim":
-            out_axes = [tuple(eqn.params["broadcast_dimensions"])[axes[0]]]
-            if any(a is not None for a in axes[1:]):
-                fail(eqn, "a batched dynamic shape")
-        elif name == "transpose":
-            out_axes = [tuple(eqn.params["permutation"]).index(axes[0])]
-        elif name == "squeeze":
-            dims = tuple(eqn.params["dimensions"])
-            if axes[0] in dims:
-                fail(eqn, "squeezes the batch axis")
-            out_axes = [axes[0] - sum(d < axes[0] for d in dims)]
-        elif name == "reshape":
-            if any(a is not None for a in axes[1:]):
-                fail(eqn, "a batched dynamic shape")
-            a, shape = axes[0], _shape(eqn.invars[0])
-            new = tuple(eqn.params["new_sizes"])
-            pre = math.prod(shape[:a])
-            js = [j for j in range(len(new)) if math.prod(new[:j]) == pre
-                  and new[j] % batch == 0 and math.prod(new[j:]) == math.prod(shape[a:])]
-            if not js:
-                fail(eqn, "splits the batch axis or moves it under another axis")
-            out_axes = [js[0]]
-        elif name in REDUCTIONS:
-            red = tuple(eqn.params["axes"])
-            if len(eqn.invars) != 1 and any(a != axes[0] for a in axes):
-                fail(eqn, "operands batched along different axes")
-            if axes[0] in red and sums and name == "reduce_sum":
-                out_axes = [SUM]
-            elif axes[0] in red:
-                fail(eqn, "reduces over the batch axis")
-            else:
-                out_axes = [axes[0] - sum(d < axes[0] for d in red)] * len(outs)
-        elif name in CUMULATIVE:
-            if eqn.params["axis"] == axes[0]:
-                fail(eqn, "accumulates along the batch axis")
-            out_axes = [axes[0]]
-        elif name == "dot_general":
-            out_axes = [dot_axis(eqn, axes, constant_along, fail, sums=sums)]
-        elif name == "concatenate":
-            marked = {a for a in axes if a is not None}
-            if len(marked) != 1 or eqn.params["dimension"] in marked:
-                fail(eqn, "concatenates along the batch axis")
-            (a,) = marked
-            if any(ax is None and not constant_along(v, a) for v, ax in zip(eqn.invars, axes)):
-                fail(eqn, "an operand that does not depend on the batch varies along it")
-            out_axes = [a]
-        elif name == "split":
-            if eqn.params["axis"] == axes[0]:
-                fail(eqn, "splits along the batch axis")
-            out_axes = [axes[0]] * len(outs)
-        elif name == "pad":
-            if axes[1] is not None or tuple(eqn.params["padding_config"][axes[0]]) != (0, 0, 0):
-                fail(eqn, "pads along the batch axis")
-            out_axes = [axes[0]]
-        elif name == "slice":
-            a, n = axes[0], _shape(eqn.invars[0])[axes[0]]
-            strides = eqn.params.get("strides") or (1,) * len(_shape(eqn.invars[0]))
-            if (eqn.params["start_indices"][a], eqn.params["limit_indices"][a], strides[a]) \
-                    != (0, n, 1):
-                fail(eqn, "slices the batch axis")
-            out_axes = [a]
-        else:
-            fail(eqn, "no separability rule for this primitive")
-        for v, a in zip(outs, out_axes):
-            if not compat.is_dropvar(v):
-                if a is not None and a is not SUM and _shape(v)[a] % batch:
-                    fail(eqn, "the batch axis changed length")
-                env[v] = a
-                record._put(record.of, v, a)
-    return [axis(v) for v in jaxpr.outvars]
+    @property
+    def in_types(self) -> list:
+        return [self.type(v) for v in self.jaxpr.invars]
+
+    @property
+    def out_types(self) -> list:
+        return [self.type(v) for v in self.jaxpr.outvars]
+
+    def producer(self) -> dict:
+        if self._producer is None:
+            self._producer = _producers(self.jaxpr)
+        return self._producer
+
+    def involved(self, i: int) -> bool:
+        """Whether equation i takes or makes a batched value (it is resized)."""
+        eqn = self.jaxpr.eqns[i]
+        return i in self.subs or any(
+            is_axis(self.type(v)) for v in (*eqn.invars, *eqn.outvars)
+            if not compat.is_dropvar(v))
 
 
-def _constant_along(v, a, producer, outer, record) -> bool:
-    """Whether `v`, which depends on no batched input, is constant along its axis `a`: made
-    by broadcasts (along `a`), iotas (along another axis) and elementwise ops of such values,
-    looked for through calls (`outer` maps a call body's inputs to the caller's operands).
-    Each value found so is recorded as meeting the batch axis there (`Axes.meets`)."""
-    if compat.is_literal(v) or not _shape(v) or _shape(v)[a] == 1:
-        return True
-    eqn = producer.get(v)
-    if eqn is None:
-        if v in outer:  # a call body's input: the caller's operand
-            u, u_producer, u_outer = outer[v]
-            if _constant_along(u, a, u_producer, u_outer, record):
-                record._put(record.meets, v, a)
-                return True
-        return False  # an input or a const: it may vary along the axis
-    record._put(record.meets, v, a)
-    name = eqn.primitive.name
-    if name == "broadcast_in_dim":
-        dims = tuple(eqn.params["broadcast_dimensions"])
-        if a not in dims:
-            return True
-        return _constant_along(eqn.invars[0], dims.index(a), producer, outer, record)
-    if name == "iota":
-        return eqn.params["dimension"] != a
-    if name in ELEMENTWISE:
-        # Operands of the output's rank (JAX broadcasts their size-1 axes: those are
-        # constant along `a`); scalars are.
-        return all(_constant_along(u, a, producer, outer, record) for u in eqn.invars
-                   if not compat.is_literal(u) and len(_shape(u)) == len(_shape(v)))
-    if name == "transpose":
-        return _constant_along(eqn.invars[0], tuple(eqn.params["permutation"])[a], producer,
-                               outer, record)
-    if name in ("reshape", "squeeze", "expand_dims") and len(eqn.invars) == 1:
-        # Only size-1 axes added or removed: axis `a` is the operand's same non-1 axis.
-        src, dst = _shape(eqn.invars[0]), _shape(v)
-        src_big = [i for i, n in enumerate(src) if n != 1]
-        dst_big = [i for i, n in enumerate(dst) if n != 1]
-        if [src[i] for i in src_big] != [dst[i] for i in dst_big]:
+# ------------------------------------------------------------------------------ the registry
+
+class Rule(NamedTuple):
+    """How a primitive's outputs are typed from its operands' (``types(cx, eqn, ins, want)``,
+    ``want[i]``: the axis output i is demanded batched along, or None), how a `SUM` operand
+    passes (``linear(cx, eqn, ins)``; None: it does not), and which params hold its output's
+    shape (``resize(eqn, typing, k)``: the params at a slice; None: no shape params)."""
+
+    types: Callable
+    linear: Callable | None = None
+    resize: Callable | None = None
+
+
+RULES: dict = {}
+
+
+def register(prims, types, linear=None, resize=None) -> None:
+    """Registers a `Rule` for each primitive of `prims` (missing ones, None, skipped)."""
+    for p in prims if isinstance(prims, (list, tuple)) else [prims]:
+        if p is not None:
+            RULES[p] = Rule(types, linear, resize)
+
+
+def _named(*names):
+    return compat.primitives_named(names)
+
+
+def rule_for(prim) -> Rule | None:
+    rule = RULES.get(prim)
+    if rule is not None:
+        return rule
+    kind = compat.batching_kind(prim)
+    if kind == "broadcast":
+        return _BROADCASTING
+    if kind == "vectorized":
+        return _VECTORIZED
+    return None
+
+
+# ------------------------------------------------------------------------------ the analysis
+
+class _Cx:
+    """What a rule sees: the equation's place, its operands' shapes, and `demand`."""
+
+    def __init__(self, pas: _Pass, typing: Typing, index: int, eqn):
+        self.pas, self.typing, self.index, self.eqn = pas, typing, index, eqn
+        self.batch, self.sums = pas.batch, pas.sums
+
+    def shape(self, j: int) -> tuple:
+        return _shape(self.eqn.invars[j])
+
+    def out_shape(self, j: int = 0) -> tuple:
+        return _shape(self.eqn.outvars[j])
+
+    def mix(self, why: str) -> Mix:
+        where = compat.source_summary(self.eqn)
+        return Mix(f"{self.eqn.primitive.name}{f' at {where}' if where else ''}: {why}")
+
+    def demand(self, j: int, axis: int) -> bool:
+        """Asks for operand j, unbatched, to be batched along `axis`: True if it is (or will
+        be, once the analysis runs again), False if it cannot be (a literal, a constant, an
+        input the caller does not let be sliced, a value batched otherwise)."""
+        return self.pas.demand(self.typing, self.eqn.invars[j], axis)
+
+    def zero(self, j: int) -> bool:
+        return is_zero(self.eqn.invars[j], self.typing.producer())
+
+    def sub(self, j: int, closed, ins: Sequence, operands: Sequence, want: Sequence) -> list:
+        """The output types of `closed` (the equation's j-th jaxpr) on operands of types
+        `ins`, its outputs demanded as `want`."""
+        return self.pas.sub(self, j, closed, ins, operands, want)
+
+
+class _Pass:
+    """One pass of the analysis over a program, with the demands known so far (`forced`,
+    keyed by the path of the jaxpr: (equation index, jaxpr index) from the root)."""
+
+    def __init__(self, batch: int, sums: bool, forced: dict, free):
+        self.batch, self.sums, self.forced, self.free = batch, sums, forced, free
+        self.requests: list = []
+        self.fatal: list[Mix] = []
+        self.root_invars: set = set()
+
+    def demand(self, typing: Typing, v, axis: int) -> bool:
+        if compat.is_literal(v) or not is_axis(axis):
             return False
-        return _constant_along(eqn.invars[0], src_big[dst_big.index(a)], producer, outer,
-                               record)
-    sub = call_jaxpr(eqn)
-    if sub is not None:
-        sv = sub.outvars[list(eqn.outvars).index(v)]
-        return _constant_along(sv, a, _producers(sub),
-                               _outer(sub.invars, eqn.invars, producer, outer), record)
-    return False
+        t = typing.type(v)
+        if is_axis(t):
+            return int(t) == int(axis)
+        if t is not None:
+            return False
+        shape = _shape(v)
+        if axis >= len(shape) or shape[axis] % self.batch or shape[axis] == 0:
+            return False
+        if v in typing.jaxpr.constvars:
+            return False
+        if typing.path == () and v in self.root_invars and not self.free(v):
+            return False
+        cur = self.forced.get(typing.path, {}).get(v)
+        if cur is not None and cur != axis:
+            return False
+        self.requests.append((typing.path, v, int(axis)))
+        return True
+
+    def run(self, jaxpr, consts, in_types: Sequence, path: tuple) -> Typing:
+        typing = Typing(jaxpr, consts, self.batch, path)
+        forced = self.forced.get(path, {})
+        if path == ():
+            self.root_invars = set(jaxpr.invars)
+        for v in jaxpr.constvars:
+            typing.of[v] = None
+        for v, t in zip(jaxpr.invars, in_types):
+            f = forced.get(v)
+            if f is _CONFLICT:
+                t = Mix("an input demanded batched along two axes")
+            elif f is not None and t is None:
+                # demanded by a use; a sub-jaxpr's caller makes its operand batched (`sub`)
+                t = f if (path != () or self.free(v)) else Mix(
+                    "an input that is not sliced meets the batch")
+            elif f is not None and f != t:
+                t = Mix("an input batched along two axes")
+            typing.of[v] = t
+        for i, eqn in enumerate(jaxpr.eqns):
+            ins = [typing.type(v) for v in eqn.invars]
+            want = [None if compat.is_dropvar(v) else forced.get(v) for v in eqn.outvars]
+            cx = _Cx(self, typing, i, eqn)
+            outs = self._eqn(cx, eqn, ins, want)
+            if eqn.effects and any(t is not None for t in ins):
+                self.fatal.append(cx.mix("has effects on batched values"))
+            for v, t, w in zip(eqn.outvars, outs, want):
+                if compat.is_dropvar(v):
+                    continue
+                if w is _CONFLICT:
+                    t = cx.mix("a value demanded batched along two axes")
+                elif w is not None and not isinstance(t, Mix) and t != w:
+                    t = cx.mix(
+                        "a value the batch meets is not made row by row" if t is None else
+                        f"a value batched along axis {t} is demanded along axis {w}")
+                if is_axis(t):
+                    s = _shape(v)
+                    if t >= len(s) or s[t] % self.batch or not s[t]:
+                        t = cx.mix("the batch axis changed length")
+                typing.of[v] = t
+        return typing
+
+    def _eqn(self, cx: _Cx, eqn, ins: list, want: list) -> list:
+        n = len(eqn.outvars)
+        mixes = [t for t in ins if isinstance(t, Mix)]
+        if mixes:
+            return [mixes[0]] * n
+        if all(t is None for t in ins) and all(w is None for w in want):
+            return [None] * n  # made from unbatched values alone: the same in every slice
+        rule = rule_for(eqn.primitive)
+        if any(t is SUM for t in ins):
+            if not self.sums:
+                return [cx.mix("a sum over the batch in a forward program")] * n
+            if rule is None or rule.linear is None:
+                return [cx.mix("a nonlinear function of a sum over the batch")] * n
+            if any(w is not None for w in want):
+                return [cx.mix("a sum over the batch demanded batched")] * n
+            return rule.linear(cx, eqn, ins)
+        if rule is None:
+            return [cx.mix("no rule for this primitive on batched values")] * n
+        return rule.types(cx, eqn, ins, want)
+
+    def sub(self, cx: _Cx, j: int, closed, ins, operands, want) -> list:
+        jaxpr, consts = compat.jaxpr_and_consts(closed)
+        path = (*cx.typing.path, (cx.index, j))
+        forced = self.forced.get(path, {})
+        sub_ins = []
+        for u, t, op in zip(jaxpr.invars, ins, operands):
+            f = forced.get(u)
+            if is_axis(f) and t is None:
+                # the body needs this input batched: so must the caller's operand be
+                t = f if self.demand(cx.typing, op, f) else cx.mix(
+                    "a call's operand that cannot be batched meets the batch inside it")
+            sub_ins.append(t)
+        child = self.run(jaxpr, consts, sub_ins, path)
+        cx.typing.subs.setdefault(cx.index, {})[j] = child
+        outs = []
+        for v, w in zip(jaxpr.outvars, want):
+            t = child.type(v)
+            if is_axis(w) and t is None:
+                t = w if self.demand(child, v, w) else cx.mix(
+                    "a call's result the batch meets is not made row by row")
+            outs.append(t)
+        return outs
 
 
-def _outer(sub_invars, operands, producer, outer) -> dict:
-    """A call body's `outer` map (see `_constant_along`): each of its inputs to the caller's
-    operand, with the caller's producers and its own `outer`."""
-    return {si: (u, producer, outer) for si, u in zip(sub_invars, operands)}
+def analyse(jaxpr, in_types: Sequence, batch: int, *, consts=(), sums: bool = False,
+            free: Callable | Sequence[bool] | None = None,
+            want: Sequence | None = None) -> Typing:
+    """Types every variable of `jaxpr` (nested jaxprs included) given its inputs' types
+    (`in_types`: an axis or None each; with `sums`, `SUM` too), a batch axis being `batch`
+    rows long (times `m` once merged). ``free`` says which unbatched inputs a use may demand
+    batched (a callable of the input variable, or one bool per input; default: all);
+    `consts` are the values of `jaxpr`'s constvars; ``want`` demands outputs batched (an
+    axis or None each). Never raises for a mixing program: the types say where it mixes
+    (`Mix`), and ``typing.fatal`` lists effects on batched values."""
+    if free is None:
+        free_fn = lambda v: True  # noqa: E731
+    elif callable(free):
+        free_fn = free
+    else:
+        allowed = {v for v, f in zip(jaxpr.invars, free) if f}
+        free_fn = allowed.__contains__
+    forced: dict = {}
+    for v, w in zip(jaxpr.outvars, want or ()):
+        if is_axis(w) and not compat.is_literal(v):
+            forced.setdefault((), {})[v] = int(w)
+    for _ in range(10_000):
+        pas = _Pass(batch, sums, forced, free_fn)
+        typing = pas.run(jaxpr, consts, list(in_types), ())
+        new = False
+        for path, v, a in pas.requests:
+            here = forced.setdefault(path, {})
+            cur = here.get(v)
+            if cur is None:
+                here[v] = a
+                new = True
+            elif cur != a and cur is not _CONFLICT:
+                here[v] = _CONFLICT
+                new = True
+        if not new:
+            typing.fatal = pas.fatal
+            return typing
+    raise NotSeparable("the batch-axis analysis did not settle")  # pragma: no cover
 
 
-def _cond_axes(eqn, axes, batch, sums, record, fail, producer, outer):
-    """A `cond` on a batch-independent index (a `platform_dependent` choice, say): each
-    branch is analysed on the operands, and all must agree."""
-    if axes[0] is not None:
-        fail(eqn, "branches on a batched value")
-    outs = None
-    for br in eqn.params["branches"]:
-        j = compat.jaxpr_and_consts(br)[0]
-        got = batch_axes(j, axes[1:], batch, sums=sums, record=record,
-                         outer=_outer(j.invars, eqn.invars[1:], producer, outer))
-        if outs is not None and got != outs:
-            fail(eqn, "branches give different batch axes")
-        outs = got
+def batch_axes(jaxpr, in_axes: Sequence, batch: int, *, sums: bool = False) -> list:
+    """The type of each output of `jaxpr` (an axis, None, or `SUM`), its inputs typed
+    `in_axes`, no unbatched input demanded batched; raises `NotSeparable` naming where an
+    output mixes rows or where an effect meets the batch."""
+    typing = analyse(jaxpr, in_axes, batch, sums=sums, free=[False] * len(jaxpr.invars))
+    if typing.fatal:
+        raise NotSeparable(typing.fatal[0].why)
+    outs = typing.out_types
+    for t in outs:
+        if isinstance(t, Mix):
+            raise NotSeparable(t.why)
     return outs
 
 
 def is_zero(v, producer) -> bool:
-    """Whether `v` is provably all zeros (a literal 0, or a broadcast or cast of one)."""
+    """Whether `v` is provably all zeros (a literal 0, or a broadcast, cast or reshape of
+    one), float0 values included."""
     while True:
         if compat.is_literal(v):
             try:
                 return bool(np.all(np.asarray(v.val) == 0))
             except Exception:  # noqa: BLE001 - not a number
                 return False
+        if np.dtype(getattr(v.aval, "dtype", np.float32)) == _FLOAT0:
+            return True
         eqn = producer.get(v)
         if eqn is None or eqn.primitive.name not in (
-                "broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p"):
+                "broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p",
+                "transpose", "squeeze"):
             return False
         v = eqn.invars[0]
 
 
-def _sum_axes(eqn, axes, producer, fail):
-    """The axes of an equation with an operand that is a sum over the batch (`SUM`): a sum
-    stays one through additive maps only (see the module docstring)."""
-    name = eqn.primitive.name
-    n_out = len(eqn.outvars)
-
-    def sum_or_zero(i):
-        return axes[i] is SUM or (axes[i] is None and is_zero(eqn.invars[i], producer))
-
-    if any(a is not None and a is not SUM for a in axes):
-        fail(eqn, "combines a sum over the batch with batched rows")
-    if name in _LINEAR_UNARY or name in ("broadcast_in_dim", "reshape", "transpose",
-                                         "squeeze", "reduce_sum", "rev", "cumsum", "slice",
-                                         "split", "expand_dims"):
-        if any(a is not None for a in axes[1:]) and name not in _LINEAR_UNARY:
-            fail(eqn, "a dynamic shape from a sum over the batch")
-        return [SUM] * n_out
-    if name in ("add", "sub", "add_any", "concatenate"):
-        if all(sum_or_zero(i) for i in range(len(axes))):
-            return [SUM] * n_out
-        fail(eqn, "adds a batch-independent value to a sum over the batch")
-    if name == "mul" and sum(a is SUM for a in axes) == 1:
-        return [SUM]
-    if name == "div" and axes[0] is SUM and axes[1] is None:
-        return [SUM]
-    if name == "select_n" and axes[0] is None and all(
-            sum_or_zero(i) for i in range(1, len(axes))):
-        return [SUM]
-    if name == "pad" and axes[0] is SUM and sum_or_zero(1):
-        return [SUM]
-    if name == "dot_general" and sum(a is SUM for a in axes) == 1:
-        return [SUM]
-    if name == "optimization_barrier":
-        return list(axes)
-    fail(eqn, "a nonlinear function of a sum over the batch")
-
-
-def dot_axis(eqn, axes, constant_along, fail, sums=False):
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
-    la, ra = axes
-    lhs, rhs = eqn.invars
-    if sums and ((la is not None and la in lc) or (ra is not None and ra in rc)):
-        # A contraction over the batch axis: a sum over the batch when the other operand
-        # is batched at the same contracted position, or constant along it.
-        i = lc.index(la) if la is not None and la in lc else rc.index(ra)
-        if la is not None and ra is not None and (la not in lc or rc[i] != ra):
-            fail(eqn, "operands batched along different axes")
-        if la is None and not constant_along(lhs, lc[i]):
-            fail(eqn, "an operand that does not depend on the batch varies along it")
-        if ra is None and not constant_along(rhs, rc[i]):
-            fail(eqn, "an operand that does not depend on the batch varies along it")
-        return SUM
-    if (la is not None and la in lc) or (ra is not None and ra in rc):
-        fail(eqn, "contracts over the batch axis")
-    if la is not None and la in lb:
-        i = lb.index(la)
-        if ra is not None and ra != rb[i]:
-            fail(eqn, "operands batched along different axes")
-        if ra is None and not constant_along(rhs, rb[i]):
-            fail(eqn, "an operand that does not depend on the batch varies along it")
-        return i
-    if ra is not None and ra in rb:
-        i = rb.index(ra)
-        if la is not None:
-            fail(eqn, "operands batched along different axes")
-        if not constant_along(lhs, lb[i]):
-            fail(eqn, "an operand that does not depend on the batch varies along it")
-        return i
-    if la is not None and ra is not None:
-        fail(eqn, "an outer product of two batched operands")
-    n_lhs = len(lhs.aval.shape)
-    if la is not None:
-        free = [d for d in range(n_lhs) if d not in lc and d not in lb]
-        return len(lb) + free.index(la)
-    free_l = n_lhs - len(lc) - len(lb)
-    free = [d for d in range(len(rhs.aval.shape)) if d not in rc and d not in rb]
-    return len(lb) + free_l + free.index(ra)
-
-
-def _same_rule(a, b) -> bool:
-    """Whether `a` and `b`, callables in two traces' equation params, are the same custom rule
-    traced twice. JAX holds a `custom_jvp`'s JVP (and a `custom_vjp`'s fwd thunk and bwd) as
-    objects it makes afresh in every trace, which never compare equal: the same rule is the
-    same traced function (its debug info: name and source) or the same code."""
-    if type(a) is not type(b):
-        return False
-    if type(a).__name__ == "WrappedFun":
-        return getattr(a, "debug_info", None) == getattr(b, "debug_info", None) is not None
-    code = getattr(a, "__code__", None) if callable(a) else None
-    return code is not None and code is getattr(b, "__code__", None)
-
-
-def check_backward(jaxpr, in_axes: Sequence, batch: int,
-                   out_batched: Sequence[bool]) -> Axes:
-    """Whether the backward program `jaxpr` may run in slices of the batch and its slices'
-    cotangents be concatenated (``out_batched[i]``: output i, a batched input's cotangent)
-    or summed (every other output: a parameter's). Returns what the analysis found; raises
-    `NotSeparable` naming the equation or output that forbids it."""
-    record = Axes()
-    outs = batch_axes(jaxpr, in_axes, batch, sums=True, record=record)
-    producer = _producers(jaxpr)
-    for i, (v, a, b) in enumerate(zip(jaxpr.outvars, outs, out_batched)):
-        if not compat.is_literal(v) and v.aval.dtype == _FLOAT0:
+def check_backward(jaxpr, in_types: Sequence, batch: int, n_args: int, *, consts=()) -> Typing:
+    """Whether the backward program `jaxpr` may run in slices of the batch: its first
+    `n_args` inputs are the block's (typed `in_types[:n_args]`, as the forward's analysis
+    found them), the rest the cotangents of its outputs; its outputs are the block inputs'
+    cotangents, one each. Each batched input's cotangent must be batched along the same axis
+    (the slices' rows are concatenated) and each other's a `SUM` or zero (the slices' are
+    added up). No input is demanded batched here: what is sliced was decided by the forward.
+    Returns the typing; raises `NotSeparable` naming the equation or output that forbids it."""
+    typing = analyse(jaxpr, in_types, batch, consts=consts, sums=True,
+                     free=[False] * len(jaxpr.invars))
+    if typing.fatal:
+        raise NotSeparable(typing.fatal[0].why)
+    producer = typing.producer()
+    for i, (v, t_in) in enumerate(zip(jaxpr.outvars, in_types[:n_args])):
+        t = typing.type(v)
+        if not compat.is_literal(v) and np.dtype(v.aval.dtype) == _FLOAT0:
             continue
-        if a is None and is_zero(v, producer):
+        if t is None and is_zero(v, producer):
             continue
-        if b and a != 0:
-            raise NotSeparable(f"the cotangent of batched input {i} is not batched along "
-                               f"its leading axis (axis {a})")
-        if not b and a is not SUM:
-            what = "batched" if a is not None else "independent of the batch"
+        if isinstance(t, Mix):
+            raise NotSeparable(t.why)
+        if is_axis(t_in):
+            if not (is_axis(t) and t == t_in):
+                raise NotSeparable(f"the cotangent of batched input {i} is not batched along "
+                                   f"its axis {t_in} ({t})")
+        elif t is not SUM:
+            what = "batched" if is_axis(t) else "independent of the batch"
             raise NotSeparable(f"the cotangent of unbatched input {i} is not a sum over the "
                                f"batch's rows ({what})")
-    return record
+    return typing
 
+
+# ------------------------------------------------------------------------------ the rules
+
+def _common(cx: _Cx, ins, want, operands=None):
+    """The one axis the batched operands (those of `operands`, default all) and the demanded
+    outputs share: an axis, None (none batched), or a `Mix`."""
+    idx = range(len(ins)) if operands is None else operands
+    axes = {int(ins[j]) for j in idx if is_axis(ins[j])} | {int(w) for w in want if is_axis(w)}
+    if len(axes) > 1:
+        return cx.mix("operands batched along different axes")
+    return axes.pop() if axes else None
+
+
+def _demand_all(cx: _Cx, ins, a: int, operands) -> Mix | None:
+    """Demands each unbatched operand of `operands` that extends along axis `a` batched."""
+    for j in operands:
+        if ins[j] is None and cx.shape(j)[a] != 1 and not cx.demand(j, a):
+            return cx.mix("an operand that does not depend on the batch varies along it")
+    return None
+
+
+def _broadcasting_types(cx: _Cx, eqn, ins, want):
+    """n-ary elementwise ops (JAX's broadcasting batchers, `select_n`, `clamp`, casts, ...):
+    operands of the output's rank (size-1 axes broadcast) or scalars."""
+    n = len(eqn.outvars)
+    a = _common(cx, ins, want)
+    if a is None or isinstance(a, Mix):
+        return [a] * n
+    r = len(cx.out_shape())
+    if a >= r:
+        return [cx.mix("the batch axis is not an axis of the result")] * n
+    length = cx.out_shape()[a]
+    ops = []
+    for j, v in enumerate(eqn.invars):
+        s = _shape(v)
+        if not s:
+            continue  # a scalar, broadcast
+        if len(s) != r:
+            return [cx.mix("operands of different ranks")] * n
+        if s[a] == 1:
+            continue  # broadcast along the batch axis: the same for every row
+        if s[a] != length:
+            return [cx.mix("operands of different lengths along the batch axis")] * n
+        ops.append(j)
+    bad = _demand_all(cx, ins, a, ops)
+    return [bad or a] * n
+
+
+def _vectorized_types(cx: _Cx, eqn, ins, want):
+    """Primitives mapped over every axis of their operands (JAX's vectorized batchers: unary
+    elementwise ops, `random_bits` over its keys, `bitcast_convert_type`): the batch axis is
+    the same axis of every operand and output; no operand is broadcast along it."""
+    n = len(eqn.outvars)
+    a = _common(cx, ins, want)
+    if a is None or isinstance(a, Mix):
+        return [a] * n
+    lengths = {_shape(v)[a] if a < len(_shape(v)) else None for v in eqn.outvars}
+    lengths |= {_shape(v)[a] if a < len(_shape(v)) else None for v in eqn.invars}
+    if len(lengths) != 1 or None in lengths:
+        return [cx.mix("the batch axis is not an axis of every operand and result")] * n
+    bad = _demand_all(cx, ins, a, range(len(ins)))
+    return [bad or a] * n
+
+
+def _linear_unary(cx: _Cx, eqn, ins):
+    """Linear in its first operand, the others (indices, sizes) unbatched: a sum stays one."""
+    if ins[0] is SUM and all(t is None for t in ins[1:]):
+        return [SUM] * len(eqn.outvars)
+    return [cx.mix("a sum over the batch meets another operand")] * len(eqn.outvars)
+
+
+def _sum_or_zero(cx: _Cx, ins, j) -> bool:
+    return ins[j] is SUM or (ins[j] is None and cx.zero(j))
+
+
+def _linear_additive(cx: _Cx, eqn, ins):
+    """Sums of sums (and zeros) are sums; a sum plus anything else is not."""
+    if all(_sum_or_zero(cx, ins, j) for j in range(len(ins))):
+        return [SUM] * len(eqn.outvars)
+    return [cx.mix("adds a value that is not a sum over the batch to one")] * len(eqn.outvars)
+
+
+def _linear_bilinear(cx: _Cx, eqn, ins):
+    """A product of a sum with unbatched values is a sum (of the products)."""
+    if sum(t is SUM for t in ins) == 1 and all(t is None or t is SUM for t in ins):
+        return [SUM] * len(eqn.outvars)
+    return [cx.mix("multiplies a sum over the batch by a batched value or another sum")] * len(
+        eqn.outvars)
+
+
+def _linear_div(cx: _Cx, eqn, ins):
+    if ins[0] is SUM and ins[1] is None:
+        return [SUM]
+    return [cx.mix("divides by a sum over the batch")]
+
+
+def _linear_select(cx: _Cx, eqn, ins):
+    if ins[0] is None and all(_sum_or_zero(cx, ins, j) for j in range(1, len(ins))):
+        return [SUM]
+    return [cx.mix("selects between a sum over the batch and another value")]
+
+
+def _linear_barrier(cx: _Cx, eqn, ins):
+    return list(ins)
+
+
+def _linear_cast(cx: _Cx, eqn, ins):
+    """A cast is linear only between inexact dtypes (to an integer it truncates each slice's
+    partial sum: a different result)."""
+    src = np.dtype(eqn.invars[0].aval.dtype)
+    dst = np.dtype(eqn.params["new_dtype"])
+    if jax.numpy.issubdtype(src, jax.numpy.inexact) and jax.numpy.issubdtype(
+            dst, jax.numpy.inexact):
+        return [SUM]
+    return [cx.mix(f"casts a sum over the batch from {src} to {dst}")]
+
+
+def _linear_pad(cx: _Cx, eqn, ins):
+    if ins[0] is SUM and _sum_or_zero(cx, ins, 1):
+        return [SUM]
+    return [cx.mix("pads a sum over the batch with a nonzero value")]
+
+
+def _linear_dus(cx: _Cx, eqn, ins):
+    if _sum_or_zero(cx, ins, 0) and _sum_or_zero(cx, ins, 1) and all(
+            t is None for t in ins[2:]):
+        return [SUM]
+    return [cx.mix("updates a sum over the batch with another value")]
+
+
+_BROADCASTING = Rule(_broadcasting_types)
+_VECTORIZED = Rule(_vectorized_types)
+
+# Elementwise primitives JAX batches with its own rules (not `compat.batching_kind`'s).
+register([lax.select_n_p, lax.clamp_p, compat.add_jaxvals_p,
+          *_named("random_gamma_grad", "polygamma", "igamma_grad_a")], _broadcasting_types)
+register([compat.add_jaxvals_p], _broadcasting_types, _linear_additive)
+register(_named("add", "sub"), _broadcasting_types, _linear_additive)
+register(_named("mul"), _broadcasting_types, _linear_bilinear)
+register(_named("div"), _broadcasting_types, _linear_div)
+register(_named("neg", "real", "imag", "conj", "reduce_precision"), _vectorized_types,
+         _linear_unary)
+register([lax.select_n_p], _broadcasting_types, _linear_select)
+register([lax.convert_element_type_p], _broadcasting_types, _linear_cast)
+register([compat.copy_p, *_named("copy"), compat.name_p, compat.stop_gradient_p,
+          compat.sharding_constraint_p, compat.pvary_p], _broadcasting_types, _linear_unary)
+
+
+def _upcast_rules():
+    from .primitives import upcast_p
+
+    register([upcast_p], _broadcasting_types, _linear_unary)
+
+
+_upcast_rules()
+
+
+def _identity_each_types(cx: _Cx, eqn, ins, want):
+    """Each output is its operand (`optimization_barrier`, `device_put`)."""
+    outs = []
+    for j, (t, w) in enumerate(zip(ins, want)):
+        if is_axis(w) and t is None:
+            t = w if cx.demand(j, w) else cx.mix("an operand the batch meets is not batched")
+        outs.append(t)
+    return outs
+
+
+register([compat.optimization_barrier_p, compat.device_put_p], _identity_each_types,
+         _linear_barrier)
+
+
+def _broadcast_in_dim_types(cx: _Cx, eqn, ins, want):
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    if any(t is not None for t in ins[1:]):
+        return [cx.mix("a batched dynamic shape")]
+    t, w = ins[0], want[0]
+    if is_axis(t):
+        return [dims[t]]
+    if w is None:
+        return [None]
+    if w in dims:
+        i = dims.index(w)
+        if cx.shape(0)[i] != 1 and not cx.demand(0, i):
+            return [cx.mix("an operand that does not depend on the batch varies along it")]
+    return [w]  # a new axis, or a size-1 one: the same for every row
+
+
+def _resize_out_shape(key):
+    def resize(eqn, typing, k):
+        a = typing.axis(eqn.outvars[0])
+        if a is None:
+            return None
+        shape = list(eqn.params[key])
+        shape[a] //= k
+        return dict(eqn.params, **{key: tuple(shape)})
+    return resize
+
+
+register([lax.broadcast_in_dim_p], _broadcast_in_dim_types, _linear_unary,
+         _resize_out_shape("shape"))
+
+
+def _iota_types(cx: _Cx, eqn, ins, want):
+    w = want[0]
+    if w is None:
+        return [None]
+    if eqn.params["dimension"] == w:
+        return [cx.mix("the row's position (an iota along the batch axis)")]
+    return [w]
+
+
+register([lax.iota_p], _iota_types, None, _resize_out_shape("shape"))
+
+
+def _reshape_axis(src, a, dst, batch) -> int | None:
+    """The axis of shape `dst` that axis `a` of `src` (batch-major, `batch` rows) becomes in a
+    row-major reshape, or None when the reshape splits the batch or moves it under another
+    axis."""
+    pre, post = math.prod(src[:a]), math.prod(src[a:])
+    for j in range(len(dst)):
+        if math.prod(dst[:j]) == pre and dst[j] and dst[j] % batch == 0 \
+                and math.prod(dst[j:]) == post:
+            return j
+    return None
+
+
+def _reshape_types(cx: _Cx, eqn, ins, want):
+    if eqn.params.get("dimensions") is not None or any(t is not None for t in ins[1:]):
+        return [cx.mix("a reshape with dimensions or a batched dynamic shape")]
+    src, dst = cx.shape(0), cx.out_shape()
+    t, w = ins[0], want[0]
+    if is_axis(t):
+        j = _reshape_axis(src, t, dst, cx.batch)
+        return [cx.mix("splits the batch axis or moves it under another axis")
+                if j is None else j]
+    i = _reshape_axis(dst, w, src, cx.batch)
+    if i is None or not cx.demand(0, i):
+        return [cx.mix("makes a batch-length axis from other axes")]
+    return [w]
+
+
+register([lax.reshape_p], _reshape_types, _linear_unary, _resize_out_shape("new_sizes"))
+
+
+def _squeeze_types(cx: _Cx, eqn, ins, want):
+    dims = tuple(d % len(cx.shape(0)) for d in eqn.params["dimensions"])
+    kept = [i for i in range(len(cx.shape(0))) if i not in dims]
+    t, w = ins[0], want[0]
+    if is_axis(t):
+        return [kept.index(t)] if t in kept else [cx.mix("squeezes the batch axis")]
+    return [w] if cx.demand(0, kept[w]) else [cx.mix("an operand that cannot be batched")]
+
+
+register([lax.squeeze_p], _squeeze_types, _linear_unary)
+
+
+def _transpose_types(cx: _Cx, eqn, ins, want):
+    perm = tuple(eqn.params["permutation"])
+    t, w = ins[0], want[0]
+    if is_axis(t):
+        return [perm.index(t)]
+    return [w] if cx.demand(0, perm[w]) else [cx.mix("an operand that cannot be batched")]
+
+
+register([lax.transpose_p], _transpose_types, _linear_unary)
+
+
+def _along_other_axes(param, what):
+    """Ops that act along the axes named by ``params[param]`` and map over the others
+    (reversals, sorts, cumulative ops, top_k): row-wise unless the batch axis is one of
+    them. Operands are all batched alike."""
+    def types(cx: _Cx, eqn, ins, want):
+        n = len(eqn.outvars)
+        a = _common(cx, ins, want)
+        if a is None or isinstance(a, Mix):
+            return [a] * n
+        rank = len(cx.shape(0))
+        p = eqn.params.get(param, rank - 1)  # top_k before its `axis` param: the last
+        axes = tuple(p) if isinstance(p, (tuple, list)) else (p,)
+        if a in tuple(x % rank for x in axes):
+            return [cx.mix(what)] * n
+        bad = _demand_all(cx, ins, a, range(len(ins)))
+        return [bad or a] * n
+    return types
+
+
+register([lax.rev_p], _along_other_axes("dimensions", "reverses the batch axis"),
+         _linear_unary)
+register(_named("cumsum"), _along_other_axes("axis", "accumulates along the batch axis"),
+         _linear_unary)
+register(_named("cumprod", "cummax", "cummin", "cumlogsumexp"),
+         _along_other_axes("axis", "accumulates along the batch axis"))
+register([lax.sort_p], _along_other_axes("dimension", "sorts along the batch axis"))
+register(_named("top_k"), _along_other_axes("axis", "takes the top k along the batch axis"))
+register([lax.split_p], _along_other_axes("axis", "splits along the batch axis"),
+         _linear_unary)
+
+
+def _reduce_types(cx: _Cx, eqn, ins, want):
+    """Reductions over ``axes``: the batch axis kept (renumbered), or reduced over: a `SUM`
+    for a `reduce_sum` in a backward program, else mixing."""
+    name = eqn.primitive.name
+    red = tuple(eqn.params["axes"] if "axes" in eqn.params else eqn.params["dimensions"])
+    n_ops = len(eqn.outvars) if name == "reduce" else len(ins)
+    if any(t is not None for t in ins[n_ops:]):
+        return [cx.mix("a batched initial value")] * len(eqn.outvars)
+    rank = len(cx.shape(0))
+    kept = [i for i in range(rank) if i not in red]
+    a = _common(cx, ins, [], range(n_ops))
+    if isinstance(a, Mix):
+        return [a] * len(eqn.outvars)
+    if a is None:
+        w = next(w for w in want if w is not None)
+        a = kept[w]
+    if a in red:
+        if cx.sums and name == "reduce_sum":
+            return [SUM] * len(eqn.outvars)
+        return [cx.mix("reduces over the batch axis")] * len(eqn.outvars)
+    bad = _demand_all(cx, ins, a, range(n_ops))
+    return [bad or kept.index(a)] * len(eqn.outvars)
+
+
+register(_named("reduce_sum"), _reduce_types, _linear_unary)
+register(_named("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                "reduce_xor", "argmax", "argmin", "reduce"), _reduce_types)
+
+
+def _dot_general_types(cx: _Cx, eqn, ins, want):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    la, ra = ins
+    nl, nr = len(cx.shape(0)), len(cx.shape(1))
+    lfree = [d for d in range(nl) if d not in lc and d not in lb]
+    rfree = [d for d in range(nr) if d not in rc and d not in rb]
+    la = int(la) if is_axis(la) else None
+    ra = int(ra) if is_axis(ra) else None
+
+    def other(j, axis):
+        return (ins[j] is None and cx.demand(j, axis)) or (is_axis(ins[j]) and ins[j] == axis)
+
+    if (la is not None and la in lc) or (ra is not None and ra in rc):
+        if not cx.sums:
+            return [cx.mix("contracts over the batch axis")]
+        i = lc.index(la) if la is not None and la in lc else rc.index(ra)
+        if not (other(0, lc[i]) and other(1, rc[i])):
+            return [cx.mix("contracts the batch axis with another axis")]
+        return [SUM]  # a sum over the rows of per-row products
+    if la is not None and la in lb:
+        i = lb.index(la)
+        return [i] if other(1, rb[i]) else [cx.mix("operands batched along different axes")]
+    if ra is not None and ra in rb:
+        i = rb.index(ra)
+        return [i] if other(0, lb[i]) else [cx.mix("operands batched along different axes")]
+    if la is not None and ra is not None:
+        return [cx.mix("an outer product of two batched operands")]
+    if la is not None:
+        return [len(lb) + lfree.index(la)]
+    if ra is not None:
+        return [len(lb) + len(lfree) + rfree.index(ra)]
+    w = want[0]
+    if w < len(lb):
+        ok = other(0, lb[w]) and other(1, rb[w])
+    elif w < len(lb) + len(lfree):
+        ok = other(0, lfree[w - len(lb)])
+    else:
+        ok = other(1, rfree[w - len(lb) - len(lfree)])
+    return [w] if ok else [cx.mix("an operand that cannot be batched")]
+
+
+register([lax.dot_general_p], _dot_general_types, _linear_bilinear)
+
+
+def _conv_types(cx: _Cx, eqn, ins, want):
+    """`conv_general_dilated`: the batch axis is the lhs's batch dimension (a forward conv, or
+    the input gradient's), or, in a backward program, the contracted feature dimension of
+    both operands (the kernel gradient's conv, a `SUM`)."""
+    dn = eqn.params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    groups = eqn.params.get("feature_group_count", 1), eqn.params.get("batch_group_count", 1)
+    la, ra = ins
+    if (is_axis(la) and la == lhs_spec[0] and ra is None and groups[1] == 1) or (
+            la is None and ra is None and want[0] == out_spec[0] and groups[1] == 1
+            and cx.demand(0, lhs_spec[0])):
+        return [out_spec[0]]
+    if cx.sums and groups == (1, 1) and (
+            (is_axis(la) and la == lhs_spec[1]) or (is_axis(ra) and ra == rhs_spec[1])):
+        ok_l = (is_axis(la) and la == lhs_spec[1]) or (la is None and cx.demand(0, lhs_spec[1]))
+        ok_r = (is_axis(ra) and ra == rhs_spec[1]) or (ra is None and cx.demand(1, rhs_spec[1]))
+        if ok_l and ok_r:
+            return [SUM]
+    return [cx.mix("a convolution that is not per row")]
+
+
+register([lax.conv_general_dilated_p], _conv_types, _linear_bilinear)
+
+
+def _concatenate_types(cx: _Cx, eqn, ins, want):
+    a = _common(cx, ins, want)
+    if a is None or isinstance(a, Mix):
+        return [a]
+    if eqn.params["dimension"] == a:
+        return [cx.mix("concatenates along the batch axis")]
+    return [_demand_all(cx, ins, a, range(len(ins))) or a]
+
+
+register([lax.concatenate_p], _concatenate_types, _linear_additive)
+
+
+def _full_along(eqn, j, a, start_key, limit_key, stride_key=None) -> bool:
+    n = _shape(eqn.invars[j])[a]
+    starts = eqn.params.get(start_key)
+    start = 0 if starts is None else starts[a]
+    strides = eqn.params.get(stride_key) if stride_key else None
+    stride = 1 if strides is None else strides[a]
+    return (start, eqn.params[limit_key][a], stride) == (0, n, 1)
+
+
+def _slice_types(cx: _Cx, eqn, ins, want):
+    t, w = ins[0], want[0]
+    a = int(t) if is_axis(t) else w
+    if not _full_along(eqn, 0, a, "start_indices", "limit_indices", "strides"):
+        return [cx.mix("slices the batch axis")]
+    if t is None and not cx.demand(0, a):
+        return [cx.mix("an operand that cannot be batched")]
+    return [a]
+
+
+def _resize_slice(eqn, typing, k):
+    a = typing.axis(eqn.invars[0])
+    if a is None:
+        return None
+    limit = list(eqn.params["limit_indices"])
+    limit[a] //= k
+    return dict(eqn.params, limit_indices=tuple(limit))
+
+
+register([lax.slice_p], _slice_types, _linear_unary, _resize_slice)
+
+
+def _dynamic_slice_types(cx: _Cx, eqn, ins, want):
+    if any(t is not None for t in ins[1:]):
+        return [cx.mix("a batched start index")]
+    t, w = ins[0], want[0]
+    a = int(t) if is_axis(t) else w
+    if eqn.params["slice_sizes"][a] != cx.shape(0)[a]:
+        return [cx.mix("slices the batch axis")]  # a full slice's start is clamped to 0
+    if t is None and not cx.demand(0, a):
+        return [cx.mix("an operand that cannot be batched")]
+    return [a]
+
+
+def _resize_dynamic_slice(eqn, typing, k):
+    a = typing.axis(eqn.invars[0])
+    if a is None:
+        return None
+    sizes = list(eqn.params["slice_sizes"])
+    sizes[a] //= k
+    return dict(eqn.params, slice_sizes=tuple(sizes))
+
+
+register([lax.dynamic_slice_p], _dynamic_slice_types, _linear_unary, _resize_dynamic_slice)
+
+
+def _dynamic_update_slice_types(cx: _Cx, eqn, ins, want):
+    if any(t is not None for t in ins[2:]):
+        return [cx.mix("a batched start index")]
+    a = _common(cx, ins, want, (0, 1))
+    if a is None or isinstance(a, Mix):
+        return [a]
+    if cx.shape(1)[a] != cx.shape(0)[a]:
+        return [cx.mix("updates some of the batch's rows")]
+    return [_demand_all(cx, ins, a, (0, 1)) or a]
+
+
+register([lax.dynamic_update_slice_p], _dynamic_update_slice_types, _linear_dus)
+
+
+def _pad_types(cx: _Cx, eqn, ins, want):
+    if ins[1] is not None:
+        return [cx.mix("a batched padding value")]
+    t, w = ins[0], want[0]
+    a = int(t) if is_axis(t) else w
+    if tuple(eqn.params["padding_config"][a]) != (0, 0, 0):
+        return [cx.mix("pads along the batch axis")]
+    if t is None and not cx.demand(0, a):
+        return [cx.mix("an operand that cannot be batched")]
+    return [a]
+
+
+register([lax.pad_p], _pad_types, _linear_pad)
+
+
+def _window_types(n_ops: int):
+    """Windowed reductions (`reduce_window_sum`, max/min pooling, their transposes): row-wise
+    when the window is one row along the batch axis, unstrided, undilated and unpadded."""
+    def types(cx: _Cx, eqn, ins, want):
+        n = len(eqn.outvars)
+        ops = range(min(n_ops, len(ins)) if n_ops else len(ins) - n)
+        a = _common(cx, ins, want, ops)
+        if a is None or isinstance(a, Mix):
+            return [a] * n
+        p = eqn.params
+        one = all(p[key][a] == 1 for key in ("window_dimensions", "window_strides",
+                                               "base_dilation", "window_dilation") if key in p)
+        pad = tuple(p.get("padding", ((0, 0),) * (a + 1))[a]) == (0, 0)
+        if not (one and pad) or any(ins[j] is not None for j in range(len(ins)) if j not in ops):
+            return [cx.mix("a window that spans rows of the batch")] * n
+        return [_demand_all(cx, ins, a, ops) or a] * n
+    return types
+
+
+register(_named("reduce_window_sum"), _window_types(1), _linear_unary)
+register(_named("reduce_window_max", "reduce_window_min", "cumred"), _window_types(1))
+register([compat.select_and_gather_add_p], _window_types(2))
+register([compat.select_and_scatter_add_p], _window_types(2))
+register(_named("reduce_window"), _window_types(0))
+
+
+def _gather_types(cx: _Cx, eqn, ins, want):
+    """`gather`: row-wise when the operand's batch axis is a whole window (``x[:, idx]``),
+    when unbatched indices' rows pick from an unbatched operand (a table indexed by
+    per-row positions), or when both are batched along their paired batching dimensions
+    (``take_along_axis``)."""
+    dn = eqn.params["dimension_numbers"]
+    sizes = tuple(eqn.params["slice_sizes"])
+    offset, collapsed = tuple(dn.offset_dims), tuple(dn.collapsed_slice_dims)
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+    op_rank, out_rank = len(cx.shape(0)), len(cx.out_shape())
+    window = [d for d in range(op_rank) if d not in collapsed and d not in op_batching]
+    out_batch = [d for d in range(out_rank) if d not in offset]  # the indices' dims, in order
+    to, ti, w = ins[0], ins[1], want[0]
+
+    def window_axis(d):  # operand axis d as a whole window: the output's axis
+        if d in window and sizes[d] == cx.shape(0)[d]:
+            return offset[window.index(d)]
+        return None
+
+    if is_axis(to) and ti is None:
+        if to in op_batching:  # per-row indices for per-row operands (take_along_axis)
+            ai = idx_batching[op_batching.index(to)]
+            return [out_batch[ai]] if cx.demand(1, ai) else [
+                cx.mix("indices that cannot be batched pick from batched rows")]
+        o = window_axis(int(to))
+        return [o] if o is not None else [cx.mix("gathers along the batch axis")]
+    if is_axis(ti) and to is None:
+        if ti == len(cx.shape(1)) - 1 or ti in idx_batching:
+            return [cx.mix("batched index vectors")]
+        return [out_batch[ti]]
+    if is_axis(to) and is_axis(ti):
+        if to in op_batching and idx_batching[op_batching.index(to)] == ti:
+            return [out_batch[ti]]
+        return [cx.mix("gathers across the batch's rows")]
+    # neither batched, the output demanded along w
+    if w in offset:
+        d = window[offset.index(w)]
+        if window_axis(d) == w and cx.demand(0, d):
+            return [w]
+        return [cx.mix("a gathered window the batch meets")]
+    ai = out_batch.index(w)
+    if ai in idx_batching:
+        p = idx_batching.index(ai)
+        ok = cx.demand(1, ai) and cx.demand(0, op_batching[p])
+    else:
+        ok = cx.demand(1, ai)
+    return [w] if ok else [cx.mix("gathered rows the batch meets")]
+
+
+def _resize_gather(eqn, typing, k):
+    a = typing.axis(eqn.invars[0])
+    if a is None:
+        return None
+    sizes = list(eqn.params["slice_sizes"])
+    if sizes[a] == _shape(eqn.invars[0])[a]:
+        sizes[a] //= k
+    return dict(eqn.params, slice_sizes=tuple(sizes))
+
+
+register([lax.gather_p], _gather_types, _linear_unary, _resize_gather)
+
+
+def _scatter_types(cx: _Cx, eqn, ins, want):
+    """The scatters: row-wise when the operand's batch axis is a whole window of the updates
+    (``x.at[:, idx].set(u)``) or a batching dimension paired with the indices' and updates';
+    in a backward program a `scatter-add` of batched updates into zeros or a sum (an
+    embedding table's cotangent) is a `SUM`."""
+    dn = eqn.params["dimension_numbers"]
+    uwin = tuple(dn.update_window_dims)
+    inserted = tuple(dn.inserted_window_dims)
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    n_in = len(ins)
+    n_ops = (n_in - 1) // 2
+    op_rank, upd_rank = len(cx.shape(0)), len(cx.shape(n_in - 1))
+    window = [d for d in range(op_rank) if d not in inserted and d not in op_batching]
+    upd_scatter = [d for d in range(upd_rank) if d not in uwin]
+    to, ti = ins[0], ins[n_ops]
+    tu = ins[n_ops + 1:]
+    if any(isinstance(t, Mix) for t in tu):
+        return [next(t for t in tu if isinstance(t, Mix))] * len(eqn.outvars)
+    tus = {int(t) for t in tu if is_axis(t)}
+    if len(tus) > 1:
+        return [cx.mix("updates batched along different axes")] * len(eqn.outvars)
+    au = tus.pop() if tus else None
+    name = eqn.primitive.name
+    if au in upd_scatter and upd_scatter.index(au) in idx_batching and want[0] is None \
+            and not is_axis(to):
+        # per-row updates into per-row operands (take_along_axis's transpose): the operand
+        # is demanded batched along its paired batching dimension
+        d = op_batching[idx_batching.index(upd_scatter.index(au))]
+        if to is None and cx.demand(0, d):
+            to = d
+    elif cx.sums and name in ("scatter-add", "scatter_add") and au in upd_scatter \
+            and (to is None or to is SUM):
+        i = upd_scatter.index(au)
+        if (ti is None or (is_axis(ti) and ti == i)) and (to is SUM or cx.zero(0)):
+            return [SUM] * len(eqn.outvars)
+    a = int(to) if is_axis(to) else (want[0] if want[0] is not None else None)
+    if a is None:  # updates batched, operand not
+        if au is not None and au in uwin:
+            d = window[uwin.index(au)]
+            if cx.shape(n_in - 1)[au] == cx.shape(0)[d] and cx.demand(0, d):
+                return [d] * len(eqn.outvars)
+        return [cx.mix("scatters batched updates across the batch's rows")] * len(eqn.outvars)
+    if a in window:
+        j = uwin[window.index(a)]
+        if cx.shape(n_in - 1)[j] != cx.shape(0)[a] or ti is not None:
+            return [cx.mix("scatters along the batch axis")] * len(eqn.outvars)
+        for jj in range(n_ops + 1, n_in):
+            if ins[jj] is None and not cx.demand(jj, j):
+                return [cx.mix("updates that cannot be batched")] * len(eqn.outvars)
+            if is_axis(ins[jj]) and ins[jj] != j:
+                return [cx.mix("updates batched along another axis")] * len(eqn.outvars)
+        return [a] * len(eqn.outvars)
+    if a in op_batching:
+        p = op_batching.index(a)
+        ai = idx_batching[p]
+        ju = upd_scatter[ai] if ai < len(upd_scatter) else None
+        if ju is None or not ((is_axis(ti) and ti == ai) or cx.demand(n_ops, ai)):
+            return [cx.mix("scatters across the batch's rows")] * len(eqn.outvars)
+        for jj in range(n_ops + 1, n_in):
+            if not ((is_axis(ins[jj]) and ins[jj] == ju) or cx.demand(jj, ju)):
+                return [cx.mix("updates batched along another axis")] * len(eqn.outvars)
+        return [a] * len(eqn.outvars)
+    return [cx.mix("scatters into the batch's rows by index")] * len(eqn.outvars)
+
+
+def _linear_scatter(cx: _Cx, eqn, ins):
+    n_ops = (len(ins) - 1) // 2
+    if any(is_axis(t) for t in ins):  # batched updates into a sum: `_scatter_types` says
+        return _scatter_types(cx, eqn, ins, [None] * len(eqn.outvars))
+    if eqn.primitive.name in ("scatter-add", "scatter_add") and ins[n_ops] is None and all(
+            _sum_or_zero(cx, ins, j) for j in (*range(n_ops), *range(n_ops + 1, len(ins)))):
+        return [SUM] * len(eqn.outvars)
+    return [cx.mix("scatters a sum over the batch nonlinearly")] * len(eqn.outvars)
+
+
+register(_named("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+                "scatter_max", "scatter_sub"), _scatter_types, _linear_scatter)
+
+
+def _random_wrap_types(cx: _Cx, eqn, ins, want):
+    """`random_wrap`: uint32 key data ``[..., n]`` to keys ``[...]``, over leading axes."""
+    a = _common(cx, ins, want)
+    if a is None or isinstance(a, Mix):
+        return [a]
+    if a >= len(cx.out_shape()):
+        return [cx.mix("the batch axis is the key data's")]
+    return [_demand_all(cx, ins, a, (0,)) or a]
+
+
+register(_named("random_wrap"), _random_wrap_types)
+
+
+# ------------------------------------------------------------------------ sub-programs
+
+def call_jaxpr(eqn):
+    """The sub-jaxpr of a call-like equation with the equation's arity, or None."""
+    from .rules import CALL_PRIMITIVES, _call_jaxpr_param
+
+    if eqn.primitive not in CALL_PRIMITIVES and eqn.primitive is not compat.closed_call_p:
+        return None
+    try:
+        param = _call_jaxpr_param(eqn)
+    except KeyError:
+        return None
+    jaxpr = compat.jaxpr_and_consts(param)[0]
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return param
+
+
+def _call_types(cx: _Cx, eqn, ins, want):
+    """jit, closed calls, checkpoints and custom_jvp / custom_vjp functions (their primal
+    program; their rules are resized and checked where the backward is, `resize.py`): the
+    body, analysed at this call site."""
+    closed = call_jaxpr(eqn)
+    if closed is None:
+        return [cx.mix("a call whose body this analysis cannot read")] * len(eqn.outvars)
+    return cx.sub(0, closed, ins, eqn.invars, want)
+
+
+def _call_linear(cx: _Cx, eqn, ins):
+    return _call_types(cx, eqn, ins, [None] * len(eqn.outvars))
+
+
+register([compat.pjit_p, compat.closed_call_p, compat.remat_p, compat.custom_jvp_call_p,
+          compat.custom_vjp_call_p], _call_types, _call_linear)
+
+
+def _cond_types(cx: _Cx, eqn, ins, want):
+    """`cond` on an unbatched index (a `platform_dependent` choice, say): every branch on the
+    operands; an output batched in one branch is demanded batched in all."""
+    n = len(eqn.outvars)
+    if ins[0] is not None:
+        return [cx.mix("branches on a batched value")] * n
+    branches = eqn.params["branches"]
+    want = list(want)
+    for _ in range(2):
+        outs = [cx.sub(j, br, ins[1:], eqn.invars[1:], want) for j, br in enumerate(branches)]
+        joined = []
+        for i in range(n):
+            ts = [o[i] for o in outs]
+            mix = next((t for t in ts if isinstance(t, Mix)), None)
+            axes = {int(t) for t in ts if is_axis(t)}
+            if mix is not None:
+                joined.append(mix)
+            elif len(axes) > 1 or (axes and any(t is SUM for t in ts)):
+                joined.append(cx.mix("branches give different batch axes"))
+            elif axes:
+                joined.append(axes.pop())
+            elif any(t is SUM for t in ts):
+                joined.append(SUM if all(t is SUM or t is None for t in ts) else
+                              cx.mix("branches give different types"))
+            else:
+                joined.append(None)
+        if all(not is_axis(j) or all(o[i] == j for o in outs) for i, j in enumerate(joined)):
+            return joined
+        want = [j if is_axis(j) else w for j, w in zip(joined, want)]
+    return joined
+
+
+def _cond_linear(cx: _Cx, eqn, ins):
+    if ins[0] is not None:
+        return [cx.mix("branches on a sum over the batch")] * len(eqn.outvars)
+    return _cond_types(cx, eqn, ins, [None] * len(eqn.outvars))
+
+
+register([compat.cond_p], _cond_types, _cond_linear)
+
+
+# ------------------------------------------------------------------------ same program
 
 def _array_equal(a, b) -> bool:
     """Whether two constants (arrays or scalars) are equal in dtype, shape and value; a
@@ -497,24 +1230,35 @@ def _without_identities(jaxpr) -> tuple[list, dict]:
     return eqns, alias
 
 
+def _same_rule(a, b) -> bool:
+    """Whether `a` and `b`, callables in two traces' equation params, are the same custom rule
+    traced twice. JAX holds a `custom_jvp`'s JVP (and a `custom_vjp`'s fwd thunk and bwd) as
+    objects it makes afresh in every trace, which never compare equal: the same rule is the
+    same traced function (its debug info: name and source) or the same code."""
+    if type(a) is not type(b):
+        return False
+    if type(a).__name__ == "WrappedFun":
+        return getattr(a, "debug_info", None) == getattr(b, "debug_info", None) is not None
+    code = getattr(a, "__code__", None) if callable(a) else None
+    return code is not None and code is getattr(b, "__code__", None)
+
+
 # Params that hold an equation's output shape (or its bound along each axis): they may be `k`
-# times smaller at a slice at the position of the output's batch axis, and nowhere else.
-_SHAPE_PARAMS = frozenset(("shape", "new_sizes", "limit_indices"))
+# times smaller at a slice at the position of the batch axis, and nowhere else.
+_SHAPE_PARAMS = frozenset(("shape", "new_sizes", "limit_indices", "slice_sizes"))
 # Params that place values on devices and never change them: a block traced at a slice of a
 # sharded batch holds other shardings (its slice's), and computes the same rows.
 _LAYOUT_PARAMS = frozenset(("sharding", "out_sharding", "in_shardings", "out_shardings",
                             "in_layouts", "out_layouts"))
 
 
-def same_program(full, sliced, k: int, axes: Axes | None = None, consts_full=(),
+def same_program(full, sliced, k: int, typing: Typing | None = None, consts_full=(),
                  consts_sliced=(), explain: list | None = None) -> bool:
     """Whether `sliced` (a jaxpr traced at 1/`k` of the batch) is `full` (the one analysed,
-    which found `axes`) with its batch axes `k` times shorter: the same equations, wired the
-    same way, with the same dtypes, equal constants (`consts_full` / `consts_sliced`, the
-    values of their constvars), literals and params, and a shape or shape param `k` times
-    smaller only at a variable's batch axis (`Axes.batch_axis`). `explain`, a list, gets
-    the first difference found."""
-    axes = Axes() if axes is None else axes
+    typed `typing`) with exactly its batched axes `k` times shorter: the same equations, wired
+    the same way, with the same dtypes, equal constants (`consts_full` / `consts_sliced`),
+    literals and params, each shape (and shape param) `k` times smaller at its batch axis and
+    equal everywhere else. `explain`, a list, gets the first difference found."""
 
     def differ(what, e=None) -> bool:
         if explain is not None:
@@ -522,11 +1266,6 @@ def same_program(full, sliced, k: int, axes: Axes | None = None, consts_full=(),
         return False
 
     def same_value(a, b) -> bool:
-        if isinstance(a, compat._JAXPR_TYPES) or isinstance(b, compat._JAXPR_TYPES):
-            if type(a) is not type(b):
-                return False
-            (ja, ca), (jb, cb) = compat.jaxpr_and_consts(a), compat.jaxpr_and_consts(b)
-            return same_jaxpr(ja, jb, ca, cb)
         if isinstance(a, bool) or isinstance(b, bool):
             return a is b
         if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
@@ -540,43 +1279,65 @@ def same_program(full, sliced, k: int, axes: Axes | None = None, consts_full=(),
                 return True
         except Exception:  # noqa: BLE001 - values that do not compare: not provably the same
             return False
+        if isinstance(a, float) and isinstance(b, float):
+            return bool(np.isnan(a) and np.isnan(b))  # a gather's fill_value=nan
         return _same_rule(a, b)
+
+    def no_jaxprs(v):
+        if isinstance(v, compat._JAXPR_TYPES):
+            return "<jaxpr>"
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, *(no_jaxprs(x) for x in v))
+        if isinstance(v, dict):
+            return {x: no_jaxprs(y) for x, y in v.items()}
+        return v
 
     def same_shape(sa, sb, a) -> bool:
         """Equal, but at position `a` (a batch axis, or None) where `sa` is `k` times `sb`."""
         sa, sb = tuple(sa), tuple(sb)
         if len(sa) != len(sb):
             return False
-        return all(x == y or (i == a and x == k * y) for i, (x, y) in enumerate(zip(sa, sb)))
+        return all((x == k * y) if i == a else (x == y) for i, (x, y) in enumerate(zip(sa, sb)))
 
-    def same_aval(u, v) -> bool:
+    def same_aval(ty, u, v) -> bool:
         au, av = u.aval, v.aval
         if getattr(au, "dtype", None) != getattr(av, "dtype", None):
             return False
         if au.dtype == _FLOAT0:  # no values (see `_array_equal`)
             return len(au.shape) == len(av.shape)
         return same_shape(getattr(au, "shape", ()), getattr(av, "shape", ()),
-                          axes.batch_axis(u))
+                          ty.axis(u) if ty is not None else None)
 
-    def same_params(e1, e2) -> bool:
+    def same_params(ty, i, e1, e2) -> bool:
         if e1.params.keys() != e2.params.keys():
             return False
         outs = [v for v in e1.outvars if not compat.is_dropvar(v)]
-        a = axes.batch_axis(outs[0]) if outs else None
+        a = ty.axis(outs[0]) if (outs and ty is not None) else None
+        a_in = ty.axis(e1.invars[0]) if (e1.invars and ty is not None) else None
         for key in e1.params:
             x, y = e1.params[key], e2.params[key]
             if key in _LAYOUT_PARAMS:
                 continue
             if key in _SHAPE_PARAMS and isinstance(x, (tuple, list)) \
                     and isinstance(y, (tuple, list)) \
-                    and all(isinstance(i, (int, np.integer)) for i in (*x, *y)):
-                if not same_shape(x, y, a):
-                    return differ(f"param {key} {x} vs {y} (batch axis {a})", e1)
-            elif not same_value(x, y):
+                    and all(isinstance(n, (int, np.integer)) for n in (*x, *y)):
+                at = a_in if key in ("limit_indices", "slice_sizes") else a
+                if not (same_shape(x, y, at) or (at is not None and same_shape(x, y, None))):
+                    return differ(f"param {key} {x} vs {y} (batch axis {at})", e1)
+            elif not same_value(no_jaxprs(x), no_jaxprs(y)):
                 return differ(f"param {key} differs", e1)
+        subs1, subs2 = compat.jaxprs_in_params(e1.params), compat.jaxprs_in_params(e2.params)
+        if len(subs1) != len(subs2):
+            return differ("another number of sub-programs", e1)
+        for j, (s1, s2) in enumerate(zip(subs1, subs2)):
+            if type(s1) is not type(s2):
+                return differ("another kind of sub-program", e1)
+            (j1, c1), (j2, c2) = compat.jaxpr_and_consts(s1), compat.jaxpr_and_consts(s2)
+            if not same_jaxpr(ty.sub(i, j) if ty is not None else None, j1, j2, c1, c2):
+                return False
         return True
 
-    def same_jaxpr(j1, j2, c1=(), c2=()) -> bool:
+    def same_jaxpr(ty, j1, j2, c1=(), c2=()) -> bool:
         (eqns1, alias1), (eqns2, alias2) = _without_identities(j1), _without_identities(j2)
         n1 = (len(eqns1), len(j1.invars), len(j1.outvars), len(j1.constvars))
         n2 = (len(eqns2), len(j2.invars), len(j2.outvars), len(j2.constvars))
@@ -584,10 +1345,11 @@ def same_program(full, sliced, k: int, axes: Axes | None = None, consts_full=(),
             return differ(f"(equations, inputs, outputs, constants) {n1} vs {n2}")
         if len(c1) != len(c2) or not all(_array_equal(x, y) for x, y in zip(c1, c2)):
             return differ("a constant differs")
+        index = {id(e): i for i, e in enumerate(j1.eqns)}
         m = {}
         for u, v in zip([*j1.constvars, *j1.invars], [*j2.constvars, *j2.invars]):
-            if not same_aval(u, v):
-                return False
+            if not same_aval(ty, u, v):
+                return differ(f"input {u.aval.str_short()} vs {v.aval.str_short()}")
             m[u] = v
 
         def same_atom(u, v):
@@ -602,16 +1364,16 @@ def same_program(full, sliced, k: int, axes: Axes | None = None, consts_full=(),
                 return differ(f"another equation ({e2.primitive.name})", e1)
             if not all(same_atom(u, v) for u, v in zip(e1.invars, e2.invars)):
                 return differ("other operands (a literal or the wiring)", e1)
-            if not same_params(e1, e2):
+            if not same_params(ty, index[id(e1)], e1, e2):
                 return False
             for u, v in zip(e1.outvars, e2.outvars):
                 if compat.is_dropvar(u) != compat.is_dropvar(v):
                     return differ("another output", e1)
                 if not compat.is_dropvar(u):
-                    if not same_aval(u, v):
+                    if not same_aval(ty, u, v):
                         return differ(f"output {u.aval.str_short()} vs {v.aval.str_short()} "
-                                      f"(batch axis {axes.batch_axis(u)})", e1)
+                                      f"(batch axis {ty.axis(u) if ty else None})", e1)
                     m[u] = v
         return all(same_atom(u, v) for u, v in zip(j1.outvars, j2.outvars))
 
-    return same_jaxpr(full, sliced, consts_full, consts_sliced)
+    return same_jaxpr(typing, full, sliced, consts_full, consts_sliced)
