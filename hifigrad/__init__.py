@@ -9,6 +9,7 @@ from ._src.api import precise_backward as precise_backward
 from ._src.api import value_and_grad as value_and_grad
 from ._src.api import vjp as vjp
 from ._src.checkpoint import checkpoint as checkpoint
+from ._src.checkpoint import SliceCheckError as SliceCheckError
 from ._src.checkpoint import scan as scan
 from ._src.checkpoint import slice_report as slice_report
 from ._src.codecs import get_codec as get_codec
@@ -52,6 +53,7 @@ __all__ = [
     "JaxCompatibilityError",
     "optim",
     "scan",
+    "SliceCheckError",
     "slice_report",
     "UnsupportedPrimitiveError",
     "UntestedJaxWarning",

@@ -74,6 +74,23 @@ def _strict_numerics():
         yield
 
 
+# The modules whose checkpoints run their backward in slices, and check each sliced backward
+# against the unsliced one as it runs (`hg.Policy(check_slices=True)`, through its environment
+# switch): a wrong slicing fails the test that hit it, whatever that test asserts. Tests that
+# measure buffers or count equations opt out (`@pytest.mark.no_slice_check`): the check runs
+# the unsliced backward too.
+_CHECK_SLICES_MODULES = ("test_checkpoint", "test_compress", "test_separable", "test_resize")
+
+
+@pytest.fixture(autouse=True)
+def _check_slices(request, monkeypatch):
+    module = request.node.module.__name__.rsplit(".", 1)[-1]
+    if module in _CHECK_SLICES_MODULES and request.node.get_closest_marker(
+            "no_slice_check") is None:
+        monkeypatch.setenv("HIFIGRAD_CHECK_SLICES", "1")
+    yield
+
+
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):
     """Runs a test case both without and with `jax.jit`."""

@@ -479,9 +479,68 @@ def case_explicit_auto_axes(report):
             _check_shardings(f"auto_axes_{tag}", [g], [w], report)
 
 
+def case_checkpoint_in_shard_map(report):
+    """Compressed checkpoints inside `jax.shard_map`, with the default ``check_vma=True`` and
+    without: a remat scan rewritten by `compress_checkpoints` and an `hg.scan`, under
+    `hg.value_and_grad` around the shard_map and inside it (per-device gradients, then a
+    psum). Float32 blocks, codec "none": the gradients are `jax.grad`'s of the same model
+    (sums over slices reassociated: RTOL), and every checkpoint's backward runs in slices."""
+    n = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    b, t, d = 8 * n, 128, 32
+    rng = np.random.default_rng(5)
+    ws = jnp.asarray(rng.normal(size=(2, d, d)) / np.sqrt(d), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+
+    def block(c, w):
+        s = jnp.einsum("btd,bsd->bts", c, c @ w) / np.sqrt(d)
+        return c + jax.nn.softmax(s, -1) @ c, None
+
+    def local(ws, x, how):
+        if how == "hg.scan":
+            y = hg.scan(block, x, ws, codec="none", backward_slices=4)[0]
+        else:
+            y = lax.scan(jax.checkpoint(block), x, ws)[0]
+        return jnp.mean(y ** 2)
+
+    def around(how, check_vma):
+        sm = jax.shard_map(lambda ws, x: lax.psum(local(ws, x, how), "data") / n, mesh=mesh,
+                           in_specs=(P(), P("data")), out_specs=P(), check_vma=check_vma)
+        return hg.compress_checkpoints(sm, "none", backward_slices=4) if how == "cc" else sm
+
+    want = jax.jit(jax.value_and_grad(around("remat", True)))(ws, x)
+    for check_vma in (True, False):
+        for how in ("cc", "hg.scan"):
+            tag = f"ckpt_shard_map_{how}_{'vma' if check_vma else 'novma'}"
+            f = around(how, check_vma)
+            report[tag + "_slices"] = hg.slice_report(hg.value_and_grad(f), ws, x)
+            assert all(r.startswith("sliced") for r in report[tag + "_slices"]), report
+            _compare(tag + "_around", jax.jit(hg.value_and_grad(f))(ws, x), want, report)
+
+            # Inside the shard_map, per-device gradients: with check_vma, JAX reduces a
+            # replicated parameter's gradient over the devices itself (jax.grad does too).
+            def inside(ws, x, how=how, grad=hg.value_and_grad):
+                loss = lambda ws, x: local(ws, x, how)  # noqa: E731
+                if how == "cc":
+                    loss = hg.compress_checkpoints(loss, "none", backward_slices=4)
+                v, g = grad(loss)(ws, x)
+                return lax.psum(v, "data") / n, (g if check_vma else lax.psum(g, "data")) / n
+
+            def sm(grad, how=how, check_vma=check_vma):
+                return jax.shard_map(functools.partial(inside, how=how, grad=grad), mesh=mesh,
+                                     in_specs=(P(), P("data")), out_specs=(P(), P()),
+                                     check_vma=check_vma)
+
+            got = jax.jit(sm(hg.value_and_grad))(ws, x)
+            _compare(tag + "_inside", got, jax.jit(sm(jax.value_and_grad, "remat"))(ws, x),
+                     report)
+            _compare(tag + "_inside_vs_around", got, want, report)
+
+
 CASES = {"data_parallel": case_data_parallel, "fsdp": case_fsdp,
          "tensor_parallel": case_tensor_parallel, "shard_map": case_shard_map, "hlo": case_hlo,
-         "explicit_auto_axes": case_explicit_auto_axes}
+         "explicit_auto_axes": case_explicit_auto_axes,
+         "checkpoint_in_shard_map": case_checkpoint_in_shard_map}
 
 
 def main():

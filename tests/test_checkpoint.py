@@ -643,6 +643,7 @@ def test_bad_backward_slices_is_an_error():
 
 
 @cpu_only("peak temp bytes are what XLA:CPU's scheduler and buffer assignment allocate")
+@pytest.mark.no_slice_check
 def test_float32_backward_peak_temp_within_bf16_backwards():
     """On a bf16 transformer stack (8 blocks, d=128, 16 x 128 tokens, 4 heads), `hg.grad`
     over `hg.scan` int8 (float32 backward, sliced by default) peaks at most 1.03x the same
@@ -768,6 +769,7 @@ for k in (1, 4):
 
 
 @cpu_only("4 host devices made by --xla_force_host_platform_device_count, XLA:CPU's buffers")
+@pytest.mark.no_slice_check
 def test_sliced_backward_keeps_a_sharded_batch_sharded():
     """With the batch sharded over 4 devices, the sliced backward gathers nothing: each slice
     takes every k-th row, so each device slices its own rows (contiguous slices made XLA's SPMD
@@ -787,3 +789,54 @@ def test_sliced_backward_keeps_a_sharded_batch_sharded():
            (line.split() for line in out.stdout.strip().splitlines()[-2:])}
     assert res[4][0] == 0, res
     assert res[4][1] < res[1][1], res
+
+
+# ------------------------------------------------------------------ checking the slices
+
+def _check_slices_loss(policy):
+    """A bf16 attention stack whose float32 backward runs in 4 slices, checked (`policy`)."""
+    p = _attn_params(2, 32, jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 128, 32)), jnp.bfloat16)
+    block = _attn_block(2)
+
+    def loss(p, x):
+        c = hg.scan(block, x, p, codec="int8", policy=policy, backward_slices=4)[0]
+        return jnp.mean(c.astype(jnp.float32) ** 2)
+
+    return loss, p, x
+
+
+@pytest.mark.no_slice_check
+def test_check_slices_passes_a_right_slicing(maybe_jit):
+    """`Policy(check_slices=True)` runs the unsliced backward beside the sliced one and
+    raises nothing where they agree; the gradients are the sliced ones."""
+    loss, p, x = _check_slices_loss(hg.Policy(check_slices=True))
+    plain, _, _ = _check_slices_loss(hg.Policy())
+    assert hg.slice_report(hg.grad(loss), p, x) == ["sliced: 4 slices of 4 batch rows"]
+    g, want = maybe_jit(hg.grad(loss))(p, x), maybe_jit(hg.grad(plain))(p, x)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.no_slice_check
+@pytest.mark.parametrize("how", ["policy", "environment"])
+def test_check_slices_names_a_wrong_slicing(how, maybe_jit, monkeypatch):
+    """A wrong sliced backward (simulated: the slices' rows put back in reverse order) raises
+    `SliceCheckError` naming the checkpoint's source line, under jit as eagerly (there JAX
+    reports it as a runtime error of the callback, with the same message)."""
+    from hifigrad._src import checkpoint as ck
+
+    unsplit = ck._unsplit
+    monkeypatch.setattr(ck, "_unsplit", lambda y, *a: unsplit(y[::-1], *a))
+    if how == "environment":
+        monkeypatch.setenv("HIFIGRAD_CHECK_SLICES", "1")
+    loss, p, x = _check_slices_loss(hg.Policy(check_slices=how == "policy"))
+    with pytest.raises(Exception, match=r"the checkpoint at .*test_checkpoint\.py:\d+") as e:
+        jax.block_until_ready(maybe_jit(hg.grad(loss, argnums=1))(p, x))
+    assert isinstance(e.value, (hg.SliceCheckError, RuntimeError))
+    assert "ran its backward in 4 batch slices" in str(e.value)
+
+
+def test_check_slices_is_a_bool():
+    with pytest.raises(ValueError, match="check_slices must be True or False"):
+        hg.Policy(check_slices="yes")

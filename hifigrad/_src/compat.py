@@ -231,6 +231,30 @@ def shard_map_call(fun: Callable, params: dict, args: Sequence[Any]) -> list[Any
     return list(sm(*args))
 
 
+def side_effects(eqn) -> list:
+    """`eqn`'s effects less JAX's named-axis effects (a collective's record that it uses a
+    mesh axis name, not an effect on the world)."""
+    named = getattr(_core, "NamedAxisEffect", ())
+    return [e for e in eqn.effects if not (named and isinstance(e, named))]
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes along which `aval` varies inside a `shard_map` (its type's
+    ``{V:...}``; empty outside one, or on a JAX without varying types)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def match_varying(x, aval):
+    """`x` cast to vary along the manual axes `aval` varies along (`lax.pcast`): a cotangent
+    traced from an aval without its varying type (`make_jaxpr` takes none) meets residuals
+    that have one, inside a `shard_map` with ``check_vma=True``."""
+    missing = varying_axes(aval) - varying_axes(aval_of(x))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+
+
 def batching_kind(prim) -> str | None:
     """How the installed JAX batches `prim`, read from its batching registry: ``"broadcast"``
     for n-ary elementwise primitives (`batching.defbroadcasting`: operands of one rank,
@@ -307,18 +331,42 @@ def aval_of(x):
     return _core.typeof(x)
 
 
+_HIFIGRAD_DIR = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+
+
+def _user_source(traceback) -> str:
+    """The innermost frame of `traceback` that is the user's ("model.py:12:8 (block)"): not
+    JAX's (JAX's own heuristic, `source_info_util.user_frames`) nor hifigrad's; or ""."""
+    try:
+        for frame in _source_info_util.user_frames(traceback):
+            if not frame.file_name.startswith(_HIFIGRAD_DIR):
+                return (f"{frame.file_name}:{frame.start_line}:{frame.start_column} "
+                        f"({frame.function_name})")
+    except Exception:  # noqa: BLE001 - a best-effort label for messages
+        pass
+    return ""
+
+
 def source_summary(eqn) -> str:
     """Where the user's code made `eqn` ("model.py:12:8 (block)"), or "" if JAX cannot say."""
-    try:
-        return str(_source_info_util.summarize(eqn.source_info))
-    except Exception:  # noqa: BLE001 - a best-effort label for messages
-        return ""
+    return _user_source(getattr(eqn.source_info, "traceback", None))
 
 
 def current_source() -> str:
-    """Where the user's code is being traced now ("model.py:12:8 (block)"), or ""."""
+    """Where the user's code is being traced now ("model.py:12:8 (block)"), or "": JAX's
+    current source info (the equation being re-bound, where hifigrad rewrites a program),
+    else the innermost Python frame that is neither JAX's nor hifigrad's."""
+    import sys
+
     try:
-        return str(_source_info_util.summarize(_source_info_util.current()))
+        found = _user_source(_source_info_util.current().traceback)
+        frame = sys._getframe(1)
+        while not found and frame is not None:
+            name = frame.f_code.co_filename
+            if not name.startswith(_HIFIGRAD_DIR) and _source_info_util.is_user_filename(name):
+                found = f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
+        return found
     except Exception:  # noqa: BLE001 - a best-effort label for messages
         return ""
 

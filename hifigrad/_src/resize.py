@@ -55,12 +55,15 @@ def expected_shape(typing: Typing, v, k: int) -> tuple:
 
 
 def slice_aval(x, t, k: int):
-    """The abstract value of `x` (an array or aval) at a slice: axis `t` `k` times shorter."""
+    """What stands for `x` (an array) at a slice in a trace (axis `t` `k` times shorter): its
+    abstract value, or, for a value that varies along manual mesh axes inside a `shard_map`
+    (a type `jax.make_jaxpr` does not take as an input), its first rows (traced, unused)."""
+    if compat.varying_axes(compat.aval_of(x)):
+        return jax.lax.slice_in_dim(x, 0, np.shape(x)[t] // k, axis=t) if is_axis(t) else x
     shape = list(np.shape(x))
     if is_axis(t):
         shape[t] //= k
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x) if not hasattr(x, "dtype")
-                                else x.dtype)
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
 
 def eval_at(typing: Typing, args: Sequence, k: int) -> list:

@@ -300,7 +300,9 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
             for i, x in zip(dyn, r_dyn):
                 full[i] = x
             it = iter(cts_nz)
-            cts_lo = [compat.symbolic_zero(a) if z else next(it) for a, z in zip(out_avals, zero)]
+            # (inside a shard_map, each cotangent varies along the mesh axes its output does)
+            cts_lo = [compat.symbolic_zero(a) if z else compat.match_varying(next(it), a)
+                      for a, z in zip(out_avals, zero)]
             return compat.custom_lin_call_bwd(old_bwd, full, cts_lo)
 
         ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype)
@@ -538,10 +540,28 @@ def hi_primitive_rule(interp: Interpreter, eqn, invals, inflags):
     return outs, [True] * len(outs)
 
 
+def pvary_rule(interp: Interpreter, eqn, invals, inflags):
+    """`pvary` (a value made to vary along manual mesh axes inside a `shard_map`), promoted,
+    along only the axes its promoted operand does not vary along yet: a backward traced
+    from cotangent types that did not say they vary (`make_jaxpr` takes no varying type)
+    then meets cotangents that do."""
+    axes = tuple(eqn.params["axes"])
+    outs = []
+    for x, f in zip(invals, inflags):
+        x = interp.cast_up(x, f) if _floating(x) else x
+        missing = tuple(a for a in axes if a not in compat.varying_axes(compat.aval_of(x)))
+        if missing:
+            with compat.eqn_context(eqn):
+                x = compat.pvary_p.bind(x, **dict(eqn.params, axes=missing))
+        outs.append(x)
+    return outs, [True] * len(outs)
+
+
 # ------------------------------------------------------------------------------ the table
 
 PROMOTE = RuleTable(default=default_rule)
 PROMOTE.register(lax.convert_element_type_p, convert_rule)
+PROMOTE.register(compat.pvary_p, pvary_rule)
 PROMOTE.register(upcast_p, promote_rule)  # a backward that is itself differentiated
 PROMOTE.register(compat.primitives_named(["scatter", "scatter-add", "scatter_add", "scatter_mul",
                                           "scatter_min", "scatter_max", "scatter_sub"]),

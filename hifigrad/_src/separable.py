@@ -276,7 +276,7 @@ class _Pass:
             want = [None if compat.is_dropvar(v) else forced.get(v) for v in eqn.outvars]
             cx = _Cx(self, typing, i, eqn)
             outs = self._eqn(cx, eqn, ins, want)
-            if eqn.effects and any(t is not None for t in ins):
+            if any(t is not None for t in ins) and compat.side_effects(eqn):
                 self.fatal.append(cx.mix("has effects on batched values"))
             for v, t, w in zip(eqn.outvars, outs, want):
                 if compat.is_dropvar(v):
@@ -611,6 +611,12 @@ def _identity_each_types(cx: _Cx, eqn, ins, want):
 
 register([compat.optimization_barrier_p, compat.device_put_p], _identity_each_types,
          _linear_barrier)
+# Collectives inside a `shard_map` act position by position across devices (every device
+# slices its own rows at the same positions): a batched operand gives a batched result; the
+# linear ones keep a sum over the batch one (a parameter's cotangent summed over devices).
+register([*_named("psum", "psum_invariant", "ppermute", "pbroadcast"), compat.pvary_p],
+         _identity_each_types, _linear_barrier)
+register(_named("pmax", "pmin"), _identity_each_types)
 
 
 def _broadcast_in_dim_types(cx: _Cx, eqn, ins, want):
