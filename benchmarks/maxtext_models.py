@@ -11,8 +11,8 @@ call or lower ``loss`` (or its gradient) under ``with jax.set_mesh(loss.mesh):``
 identical program (without it only the ``ctx_mesh`` / ``context_mesh`` metadata of some
 equations differ; the mesh is one device).
 ``jax.grad(loss)`` (w.r.t. the first argument, the parameters) is therefore MaxText's own bf16
-remat training step: the decoder's ``nnx.scan`` over ``nnx.remat`` layers with the config's
-``remat_policy``.
+remat training step: the NNX decoder's ``jax.lax.scan`` over ``jax.checkpoint(layer_fn,
+policy=<remat_policy>)`` (``maxtext/layers/nnx_decoders.py``, ``_apply_layers_sequentially``).
 
 ``args`` are ``(params, rest, data)``: the ``nnx.Param`` state (float32, ``weight_dtype``), the
 rest of the model's state (NNX rng keys and counters, per scanned layer too), and the batch
@@ -20,8 +20,15 @@ rest of the model's state (NNX rng keys and counters, per scanned layer too), an
 ``targets_segmentation``, int32 ``[batch, seq]``); `jax.ShapeDtypeStruct`s by default,
 concrete arrays with ``concrete=True``.
 
-Needs ``maxtext`` (Python >= 3.12; see ``shared/NOTES.md``); importing this module does not:
-`available()` says whether it can build.
+Needs ``maxtext`` (Python >= 3.12), which declares no base dependencies; what works, in a
+fresh virtual environment with hifigrad installed (``pip install -e '.[flax]'``)::
+
+    pip install --no-deps maxtext==0.2.5 tokamax xprof
+    pip install omegaconf jinja2 huggingface_hub pathwaysutils transformers qwix grain aqtp \
+        drjax jaxtyping einshape pydantic tqdm immutabledict tensorboardx pillow fire six \
+        tiktoken sentencepiece sympy
+
+Importing this module does not need it: `available()` says whether it can build.
 """
 
 from __future__ import annotations
@@ -68,6 +75,20 @@ CONFIGS = {
                      q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=64,
                      qk_rope_head_dim=32, v_head_dim=64, base_moe_mlp_dim=128),
 }
+# Not asked for by default: deepseek with MaxText's other MoE paths. MaxText's default
+# (sparse_matmul=True, megablox=True) routes inside a jax.shard_map and runs megablox's
+# Pallas grouped matmul; megablox=False runs jax.lax.ragged_dot in that shard_map instead;
+# sparse_matmul=False is the dense (einsum over all experts, weighted) path.
+CONFIGS["deepseek-ragged"] = dict(CONFIGS["deepseek"], megablox=False)
+CONFIGS["deepseek-dense"] = dict(CONFIGS["deepseek"], sparse_matmul=False)
+DEFAULT = ("llama2-full", "llama2-minimal", "mistral", "gemma2", "deepseek")
+
+
+def version() -> str:
+    """The installed maxtext's version."""
+    from importlib import metadata
+
+    return metadata.version("maxtext")
 
 
 def available() -> bool:
@@ -78,26 +99,33 @@ def available() -> bool:
         return False
 
 
-def overrides(name: str, layers: int = 8, batch: int = 8, seq: int = 256) -> dict:
-    """The keyword overrides given to ``maxtext.configs.pyconfig.initialize`` for ``name``."""
+def overrides(name: str, layers: int = 8, batch: int = 8, seq: int = 256, **extra) -> dict:
+    """The keyword overrides given to ``maxtext.configs.pyconfig.initialize`` for ``name``
+    (``extra``: more of MaxText's config keys, e.g. ``num_vocab_tiling=4``)."""
     if name not in CONFIGS:
         raise KeyError(f"unknown MaxText config {name!r}; known: {sorted(CONFIGS)}")
     return dict(BASE, **CONFIGS[name], base_num_decoder_layers=layers,
                 per_device_batch_size=batch, max_target_length=seq,
-                base_output_directory=os.path.join(tempfile.gettempdir(), "maxtext_output"))
+                base_output_directory=os.path.join(tempfile.gettempdir(), "maxtext_output"),
+                **extra)
 
 
 @functools.lru_cache(maxsize=None)
-def config(name: str, layers: int = 8, batch: int = 8, seq: int = 256):
-    """MaxText's config for ``name`` (``pyconfig.initialize`` over ``base.yml``)."""
+def _config(name, layers, batch, seq, extra):
     from maxtext.configs import pyconfig
 
     base_yml = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
-    return pyconfig.initialize(["", base_yml], **overrides(name, layers, batch, seq))
+    return pyconfig.initialize(["", base_yml], **overrides(name, layers, batch, seq,
+                                                              **dict(extra)))
+
+
+def config(name: str, layers: int = 8, batch: int = 8, seq: int = 256, **extra):
+    """MaxText's config for ``name`` (``pyconfig.initialize`` over ``base.yml``)."""
+    return _config(name, layers, batch, seq, tuple(sorted(extra.items())))
 
 
 def build(name: str, layers: int = 8, batch: int = 8, seq: int = 256, *,
-          concrete: bool = False):
+          concrete: bool = False, **extra):
     """``(loss, args)`` for MaxText config ``name`` (one of `CONFIGS`) with ``layers`` decoder
     layers, ``batch`` sequences of ``seq`` tokens: ``loss(params, rest, data)`` is MaxText's
     training loss (see the module docstring); ``args`` abstract, or concrete (initialized
@@ -109,7 +137,10 @@ def build(name: str, layers: int = 8, batch: int = 8, seq: int = 256, *,
     from maxtext.trainers.pre_train import train
     from maxtext.utils import maxtext_utils, model_creation_utils
 
-    cfg = config(name, layers, batch, seq)
+    cfg = config(name, layers, batch, seq, **extra)
+    if cfg.decoder_block.value == "deepseek" and layers <= cfg.first_num_dense_layers:
+        raise ValueError(f"{name} needs more than first_num_dense_layers="
+                         f"{cfg.first_num_dense_layers} layers (its MoE scan would be empty)")
     mesh = maxtext_utils.get_mesh_from_config(cfg)
     create = model_creation_utils.get_nnx_create_model_fn(cfg, mesh)
     with jax.set_mesh(mesh), logical_axis_rules(cfg.logical_axis_rules):

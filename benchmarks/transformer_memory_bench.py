@@ -49,6 +49,10 @@ mask): ``hg.grad`` over ``hg.compress_checkpoints(loss, "int8" / "fp8_e4m3")`` a
 verdict and a gradient check against the float32 model. Targets: at most 0.85x at 8 x 256
 tokens and 16 blocks, at most 1.0x wherever batch x tokens >= 1024. It writes
 ``benchmarks/results/real_models_jax<release>.md`` and ``.json``.
+``--entry-points`` (about 5 minutes) measures the three entry points (`hg.scan`, a `lax.scan`
+over `hg.checkpoint`, `hg.compress_checkpoints`) on a block that writes its shapes as Python
+ints, int8 against the bf16 remat scan (target: each at most 0.85x); it writes
+``benchmarks/results/entry_points_jax<release>.md`` and ``.json``.
 ``--only-hlo`` re-measures the HLO section of that release's results, ``--report-only``
 rewrites the markdown from the JSON.
 """
@@ -202,7 +206,26 @@ def main(argv=None):
     ap.add_argument("--models", nargs="?", const=",".join(MODEL_NAMES), default=None,
                     help="instead: the drop-in on models as four code bases write them "
                          f"(benchmarks/real_models.py; default all of {','.join(MODEL_NAMES)})")
+    ap.add_argument("--entry-points", action="store_true",
+                    help="instead: hg.scan, hg.checkpoint and compress_checkpoints on a block "
+                         "that bakes its shapes in")
+    ap.add_argument("--maxtext", nargs="?", const="llama2-full,llama2-minimal,mistral,gemma2,"
+                    "deepseek", default=None,
+                    help="instead: real MaxText decoders (needs maxtext, Python >= 3.12)")
     args = ap.parse_args(argv)
+    if args.maxtext is not None:
+        import maxtext_models
+
+        if not maxtext_models.available():
+            raise SystemExit("--maxtext needs maxtext (0.2.5, Python >= 3.12): see "
+                             "benchmarks/maxtext_models.py")
+        result = maxtext_section(args.maxtext.split(","), argv)
+        write_maxtext(result, args.out)
+        return
+    if args.entry_points:
+        result = entry_section(argv)
+        write_entry(result, args.out)
+        return
     if args.models is not None:
         result = models_section(args.models.split(","), argv)
         write_models(result, args.out)
@@ -371,6 +394,223 @@ def write_md(base, lines, result):
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines))
     print("wrote", base + ".md")
+
+
+# ------------------------------------------------------------------ entry points (--entry-points)
+# One slicing engine for the three entry points: a hand-written block that bakes its shapes
+# in as Python ints (as most hand-written transformers do: `reshape(B, T, H, DH)`), under
+# `hg.scan`, a `lax.scan` over `hg.checkpoint` and `hg.compress_checkpoints` of the remat scan,
+# against the bf16 remat scan. (batch, seq, d_model, blocks).
+ENTRY_SIZES = [(16, 128, 128, 16), (8, 256, 512, 16)]
+ENTRY_TARGET = 0.85  # each entry point, int8, against remat bf16
+
+
+def baked_block(batch, seq, d, heads=4):
+    """`make_block`'s transformer block with its shapes written as Python ints."""
+    dh = d // heads
+
+    def block(x, p):
+        qkv = layer_norm(x) @ p["wqkv"]
+        q, k, v = jnp.split(qkv.reshape(batch, seq, 3, heads, dh), 3, axis=2)
+        q, k, v = (a.reshape(batch, seq, heads, dh) for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(dh ** -0.5, x.dtype)
+        mask = jnp.tril(jnp.ones((seq, seq), bool))
+        s = jnp.where(mask, s, jnp.asarray(-3e38, x.dtype))
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+        x = x + o.reshape(batch, seq, d) @ p["wo"]
+        h = layer_norm(x).reshape(batch * seq, d)
+        return x + (jax.nn.gelu(h @ p["w1"]) @ p["w2"]).reshape(batch, seq, d)
+    return block
+
+
+def entry_section(argv) -> dict:
+    out = {"env": env_info(sys.argv if argv is None else argv), "jax": jax.__version__,
+           "rows": {}}
+    for b, t, d, n in ENTRY_SIZES:
+        block = baked_block(b, t, d)
+
+        def body(c, p):
+            return block(c, p), None
+
+        def remat(params, x):
+            return loss_of(lax.scan(jax.checkpoint(body), x, params)[0])
+
+        def scanned(params, x):
+            return loss_of(hg.scan(body, x, params, codec="int8")[0])
+
+        ck = hg.checkpoint(body, codec="int8")
+
+        def checkpointed(params, x):
+            return loss_of(lax.scan(ck, x, params)[0])
+
+        params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), blocks=n, d=d))
+        x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
+        variants = {"remat bf16": jax.grad(remat), "hg.scan int8": hg.grad(scanned),
+                    "hg.checkpoint int8": hg.grad(checkpointed),
+                    "cc int8": hg.grad(hg.compress_checkpoints(remat, "int8"))}
+        row = {}
+        for name, f in variants.items():
+            row[name] = jax.jit(f).lower(params, x).compile().memory_analysis() \
+                .temp_size_in_bytes
+            if name != "remat bf16":
+                row[name + " slicing"] = sorted(set(hg.slice_report(f, params, x)))
+        key = f"{b}x{t} d{d} {n} blocks"
+        out["rows"][key] = row
+        print(key, "  ".join(f"{k} {row[k] / row['remat bf16']:.3f}x {row[k + ' slicing']}"
+                             for k in variants if k != "remat bf16"), flush=True)
+    return out
+
+
+def entry_targets(result) -> list[tuple[str, str, bool]]:
+    out = []
+    for key, row in result["rows"].items():
+        for name in ("hg.scan int8", "hg.checkpoint int8", "cc int8"):
+            r = row[name] / row["remat bf16"]
+            out.append((f"{key} {name} <= {ENTRY_TARGET}x remat bf16", f"{r:.3f}x",
+                        r <= ENTRY_TARGET))
+    return out
+
+
+def write_entry(result, out_dir):
+    ver = result["jax"]
+    base = os.path.join(out_dir, f"entry_points_jax{ver}")
+    write_json(base + ".json", result)
+    lines = [f"# One slicing engine: the three entry points on a shape-baked block (jax {ver}, "
+             "CPU)", "",
+             "Written by `PYTHONPATH=. python benchmarks/transformer_memory_bench.py "
+             "--entry-points`. The block is the bench's bf16 pre-LN transformer block with its "
+             "shapes written as Python ints (`reshape(B, T, 3, H, DH)`, `reshape(B * T, D)`). "
+             "*remat bf16*: `jax.grad` of `lax.scan(jax.checkpoint(block))` (bf16 gradients); "
+             "*hg.scan*: `hg.grad` over `hg.scan(block, codec='int8')`; *hg.checkpoint*: "
+             "`hg.grad` over `lax.scan(hg.checkpoint(block, 'int8'))`; *cc*: `hg.grad` over "
+             "`hg.compress_checkpoints(<the remat scan>, 'int8')` (float32 gradients). Peak temp "
+             "of one compiled step as a ratio to *remat bf16*; *slicing*: `hg.slice_report`.",
+             ""]
+    names = ["hg.scan int8", "hg.checkpoint int8", "cc int8"]
+    rows = []
+    for key, row in result["rows"].items():
+        b = row["remat bf16"]
+        rows.append([key, f"{b / MiB:.1f}", *[f"{row[n] / b:.3f}x" for n in names],
+                     "; ".join(sorted({s for n in names for s in row[n + " slicing"]}))])
+    lines += [md_table(["size", "remat bf16 MiB", *names, "slicing"], rows), ""]
+    lines += targets_section(entry_targets(result))
+    write_md(base, lines, result)
+
+
+# ------------------------------------------------------------------ real MaxText (--maxtext)
+# MaxText 0.2.5 from PyPI, unmodified (benchmarks/maxtext_models.py builds its decoders as its
+# trainer does, under jax.set_mesh): `hg.grad(hg.compress_checkpoints(loss, codec))` against
+# `jax.grad(loss)`, MaxText's own bf16 remat training step.
+MAXTEXT_LAYERS = (8, 16)
+MAXTEXT_CODECS = ["int8", "fp8_e4m3"]
+MAXTEXT_TARGET = 0.75
+MAXTEXT_CHECK = dict(layers=2, batch=8, seq=64)  # 512 rows: 2 slices of 256
+
+
+def _maxtext_check(mm, name) -> dict:
+    """The sliced float32 backward on real MaxText, against `jax.grad`: the config computing
+    in float32 (``dtype=float32``), codec "none", 2 layers of 8 x 64 tokens (2 slices):
+    norm-wise relative error of every gradient, and the slice report."""
+    loss, args = mm.build(name, concrete=True, dtype="float32", **MAXTEXT_CHECK)
+    with jax.set_mesh(loss.mesh):
+        cc = hg.compress_checkpoints(loss, "none", backward_slices=2)
+        report = sorted(set(hg.slice_report(hg.grad(cc), *args)))
+        got = jax.jit(hg.grad(cc))(*args)
+        want = jax.jit(jax.grad(loss))(*args)
+    g = np.concatenate([np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(got)])
+    w = np.concatenate([np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(want)])
+    return {"rel_err": float(np.linalg.norm(g - w) / np.linalg.norm(w)),
+            "slice_report": report}
+
+
+def maxtext_section(names, argv) -> dict:
+    import maxtext_models as mm
+    from peak_live import peak
+
+    out = {"env": env_info(sys.argv if argv is None else argv), "jax": jax.__version__,
+           "maxtext": mm.version(), "rows": {}, "checks": {}, "peaks": {}}
+    for name in names:
+        for layers in MAXTEXT_LAYERS:
+            for tiling in (1, 4):
+                extra = {} if tiling == 1 else {"num_vocab_tiling": tiling}
+                loss, args = mm.build(name, layers, **extra)
+                with jax.set_mesh(loss.mesh):
+                    def temp(f, args=args):
+                        return jax.jit(f).lower(*args).compile().memory_analysis() \
+                            .temp_size_in_bytes
+                    row = {"remat bf16": temp(jax.grad(loss))}
+                    for c in MAXTEXT_CODECS if tiling == 1 else MAXTEXT_CODECS[:1]:
+                        row[f"cc {c}"] = temp(hg.grad(hg.compress_checkpoints(loss, c)))
+                    row["slice_report"] = sorted(set(hg.slice_report(
+                        hg.grad(hg.compress_checkpoints(loss, "int8")), *args)))
+                    if layers == MAXTEXT_LAYERS[0] and tiling == 1:
+                        out["peaks"][name] = {
+                            k: peak(f, *args, top=6) for k, f in (
+                                ("remat bf16", jax.grad(loss)),
+                                ("cc int8", hg.grad(hg.compress_checkpoints(loss, "int8"))))}
+                key = f"{name} {layers} layers" + (f" vocab tiling {tiling}" if extra else "")
+                out["rows"][key] = row
+                print(f"{key:40s} remat bf16 {row['remat bf16'] / MiB:7.1f} MiB  " +
+                      "  ".join(f"{k} {row[k] / row['remat bf16']:.3f}x" for k in row
+                                if k.startswith("cc ")) + f"  {row['slice_report']}",
+                      flush=True)
+        out["checks"][name] = _maxtext_check(mm, name)
+        print(name, "check", out["checks"][name], flush=True)
+    return out
+
+
+def maxtext_targets(result) -> list[tuple[str, str, bool]]:
+    out = []
+    for key, row in result["rows"].items():
+        if "tiling" in key:
+            continue
+        sliced = all(r.startswith("sliced") for r in row["slice_report"])
+        out.append((f"{key}: every checkpoint sliced", "yes" if sliced else "no", sliced))
+        r = row["cc int8"] / row["remat bf16"]
+        out.append((f"{key} cc int8 <= {MAXTEXT_TARGET}x remat bf16", f"{r:.3f}x",
+                    r <= MAXTEXT_TARGET))
+    for name, c in result["checks"].items():
+        out.append((f"{name}: float32 gradients sliced = jax.grad's (rel. err < 1e-5)",
+                    f"{c['rel_err']:.1e}", c["rel_err"] < 1e-5))
+    return out
+
+
+def write_maxtext(result, out_dir):
+    ver = result["jax"]
+    base = os.path.join(out_dir, f"maxtext_jax{ver}")
+    write_json(base + ".json", result)
+    lines = [f"# Real MaxText {result['maxtext']} under compress_checkpoints (jax {ver}, CPU)",
+             "", "Written by `python benchmarks/transformer_memory_bench.py --maxtext` (a Python "
+             ">= 3.12 environment with `maxtext` installed: `benchmarks/maxtext_models.py`). "
+             "Decoders built from MaxText's own configs (emb 256, mlp 512, 4 heads of 64, "
+             "vocab 1024, bf16 compute, float32 weights, `scan_layers=True`, "
+             "`attention=dot_product`), 8 x 256 tokens, traced under `jax.set_mesh` as "
+             "MaxText's trainer does. *remat bf16*: `jax.grad` of MaxText's training loss "
+             "(its own bf16 remat step); *cc*: `hg.grad(hg.compress_checkpoints(loss, codec))` "
+             "(float32 gradients), peak temp as a ratio; *slicing*: `hg.slice_report`.", ""]
+    rows = []
+    for key, row in result["rows"].items():
+        b = row["remat bf16"]
+        rows.append([key, f"{b / MiB:.1f}",
+                     *[f"{row[f'cc {c}'] / b:.3f}x" if f"cc {c}" in row else ""
+                       for c in MAXTEXT_CODECS], "; ".join(row["slice_report"])])
+    lines += [md_table(["config", "remat bf16 MiB", *[f"cc {c}" for c in MAXTEXT_CODECS],
+                        "slicing"], rows), ""]
+    lines += ["## What is live at the peak (8 layers)", "",
+              "The largest buffers live at each step's peak, read from XLA's buffer "
+              "assignment (`benchmarks/peak_live.py`).", ""]
+    for name, peaks in result["peaks"].items():
+        for k, p in peaks.items():
+            lines.append(f"- {name}, {k}: {p['peak_bytes'] / MiB:.1f} MiB; " + ", ".join(
+                f"{v['shape'].split('{')[0]} {v['bytes'] / MiB:.1f}" for v in p["top"]))
+    lines += ["", "## Gradient check", "",
+              "Each config computing in float32, codec 'none', 2 layers of 8 x 64 tokens, "
+              "2 slices: `hg.grad` of the compressed loss against `jax.grad` of the loss.", "",
+              md_table(["config", "norm-wise rel. error", "slicing"],
+                       [[n, f"{c['rel_err']:.1e}", "; ".join(c["slice_report"])]
+                        for n, c in result["checks"].items()]), ""]
+    lines += targets_section(maxtext_targets(result))
+    write_md(base, lines, result)
 
 
 # (model, blocks) -> the most peak temp `hg <codec>` may take, as a ratio to `remat bf16`.

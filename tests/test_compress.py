@@ -746,3 +746,70 @@ def test_equinox_scan_of_filter_checkpoint_slices(maybe_jit):
         got = maybe_jit(hg.grad(cc))(params, x)
         want = maybe_jit(jax.grad(loss))(params, x)
     _close_to_largest(got, want, rtol=1e-5)
+
+
+def test_maxtext_causes_as_small_programs(maybe_jit):
+    """What stopped real MaxText's scanned layers from slicing, as two small programs: a
+    uint32 counter scanned per layer (NNX's rng counter, passed through the checkpoint and
+    incremented: its cotangent is a float0 literal) and RoPE frequencies gathered from a
+    table by per-row positions (deepseek's YaRN RoPE, ``freqs_cis.at[position].get()``).
+    Both slice, and with ``codec="none"`` the gradients are `jax.grad`'s (RTOL 1e-5)."""
+    n, b, t, d = 2, 16, 128, 32
+    p = _attn_params(n, d, jnp.float32)
+    counters = jnp.arange(n, dtype=jnp.uint32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    table = jnp.outer(jnp.arange(2 * t, dtype=jnp.float32),
+                      1.0 / 10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+
+    def block(carry, xs):
+        h, pos = carry
+        w, counter = xs
+        ang = table.at[pos].get()  # [b, t, d/2]
+        u = h @ w["w1"][:, :d]
+        u1, u2 = jnp.split(u, 2, axis=-1)
+        u = jnp.concatenate([u1 * jnp.cos(ang) - u2 * jnp.sin(ang),
+                             u2 * jnp.cos(ang) + u1 * jnp.sin(ang)], -1)
+        return (h + jnp.tanh(u), pos), counter + 1
+
+    def remat(p, x, positions):
+        (y, _), new_counters = jax.lax.scan(jax.checkpoint(block), (x, positions),
+                                            (p, counters))
+        return jnp.mean(y ** 2) + 0 * new_counters.sum().astype(jnp.float32)
+
+    cc = hg.compress_checkpoints(remat, "none", backward_slices=4)
+    assert hg.slice_report(jax.grad(cc), p, x, positions) == [
+        "sliced: 4 slices of 4 batch rows"]
+    with highest_precision():
+        _close(maybe_jit(hg.grad(cc))(p, x, positions),
+               maybe_jit(jax.grad(remat))(p, x, positions), rtol=1e-5)
+
+
+def test_the_three_entry_points_share_one_signature_shape():
+    """`checkpoint` and `compress_checkpoints` take ``(fun, codec, *, policy, tangent_dtype,
+    save, backward_slices)``; `scan` keeps `lax.scan`'s positions and takes the same options
+    by keyword, the codec too."""
+    import inspect
+
+    options = ["policy", "tangent_dtype", "save", "backward_slices"]
+    for fn in (hg.checkpoint, hg.compress_checkpoints):
+        params = inspect.signature(fn).parameters
+        assert list(params)[:2] == ["fun", "codec"]
+        assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == options
+    params = inspect.signature(hg.scan).parameters
+    keyword = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keyword[0] == "codec" and all(o in keyword for o in options)
+
+
+def test_compress_checkpoints_tangent_dtype_is_policys_shorthand():
+    def loss(ws, x):
+        return jax.lax.scan(jax.checkpoint(lambda c, w: (jnp.tanh(c @ w), None)), x, ws)[0].sum()
+
+    ws, x = jnp.ones((2, 8, 8), jnp.bfloat16) * 0.1, jnp.ones((4, 8), jnp.bfloat16)
+    a = hg.grad(hg.compress_checkpoints(loss, "int8", tangent_dtype=jnp.bfloat16))(ws, x)
+    b = hg.grad(hg.compress_checkpoints(
+        loss, "int8", policy=hg.Policy(tangent_dtype=jnp.bfloat16)))(ws, x)
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="conflicts with policy.tangent_dtype"):
+        hg.compress_checkpoints(loss, "int8", tangent_dtype=jnp.float32,
+                                policy=hg.Policy(tangent_dtype=jnp.bfloat16))

@@ -549,3 +549,13 @@ def test_gradient_sqnr():
     assert gradient_sqnr_db(g, g) == math.inf
     assert gradient_sqnr_db(g * 1.1, g) == pytest.approx(20.0)  # error 10% of the signal
     assert gradient_sqnr_db(np.array([1.0, np.nan, 3.0]), g) is None
+
+
+def test_no_command_says_a_command_is_needed(capsys):
+    """``hifigrad`` alone: the usage and a line saying a command is needed, exit status 2."""
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: hifigrad" in err
+    assert err.strip().splitlines()[-1] == (
+        "hifigrad: error: a command is needed, e.g. `hifigrad demo` "
+        "(or `hifigrad demo --help`)")

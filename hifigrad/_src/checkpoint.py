@@ -527,7 +527,18 @@ CHECK_SLICES_ENV = "HIFIGRAD_CHECK_SLICES"
 class SliceCheckError(RuntimeError):
     """A checkpoint's sliced backward differs from its unsliced backward (a hifigrad bug:
     please report it with the message). Raised where `Policy(check_slices=True)` (or the
-    environment variable ``HIFIGRAD_CHECK_SLICES=1``) asks for the check."""
+    environment variable ``HIFIGRAD_CHECK_SLICES=1``) asks for the check: directly when the
+    backward runs eagerly; under `jax.jit` JAX reports it as the runtime error of the
+    callback that made the check, with the same message.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, hifigrad as hg
+      >>> f = hg.checkpoint(lambda x: jnp.tanh(x) * 2, "int8", backward_slices=2,
+      ...                   policy=hg.Policy(check_slices=True))
+      >>> g = jax.grad(lambda x: f(x).sum())(jnp.ones((1024, 4)))  # checked: no error
+      >>> issubclass(hg.SliceCheckError, RuntimeError)
+      True
+    """
 
 
 def checking_slices(policy: Policy) -> bool:

@@ -270,8 +270,8 @@ def _set_value(var, value):
         var.value = value
 
 
-def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
-                         policy: Policy | None = None,
+def compress_checkpoints(fun: Callable, codec, *, policy: Policy | None = None,
+                         tangent_dtype=None, save: str = "inputs",
                          backward_slices: int | None = None) -> Callable:
     """Makes every checkpoint in ``fun`` save its activations encoded with `codec`.
 
@@ -294,9 +294,10 @@ def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
       fun: the function (a loss, a model's apply); its arguments are pytrees whose array
         leaves are traced and whose other leaves (numbers, strings, callables) are static.
       codec: a codec or its name ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
-        "int2").
-      save: ``"inputs"`` or ``"residuals"``, as in `hifigrad.checkpoint`.
+        "int2"), positional or by keyword (as `hifigrad.checkpoint` takes it).
       policy: a `hifigrad.Policy` for the recomputed backward (float32 by default).
+      tangent_dtype: shorthand for ``Policy(tangent_dtype=...)``.
+      save: ``"inputs"`` or ``"residuals"``, as in `hifigrad.checkpoint`.
       backward_slices: as in `hifigrad.checkpoint`: the batch slices each checkpoint's
         recomputed backward runs in (None: automatic; 1: never slice). Slicing happens only
         where the block is proven separable; `hifigrad.slice_report` says, per checkpoint,
@@ -306,7 +307,8 @@ def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
       A function with ``fun``'s signature and outputs.
 
     Raises:
-      ValueError: an unknown codec name or ``save`` mode.
+      ValueError: an unknown codec name or ``save`` mode; ``tangent_dtype`` conflicts with
+        ``policy.tangent_dtype``.
       TypeError: ``codec`` is neither a name nor a codec, or is a delayed-scaling codec
         (its state must be threaded: use `hifigrad.scan` with ``codec_state``); ``policy``
         is not a `hifigrad.Policy`.
@@ -333,7 +335,7 @@ def compress_checkpoints(fun: Callable, codec, *, save: str = "inputs",
         raise TypeError(
             f"compress_checkpoints: `policy` is a hifigrad.Policy for the recomputed backward "
             f"(a jax.checkpoint policy belongs to the checkpoints in `fun`); got {policy!r}.")
-    policy = resolve_policy(policy)
+    policy = resolve_policy(policy, tangent_dtype)
     save = check_save(save)
     rewriter = _Rewriter(codec, policy, save, check_slices(backward_slices))
 

@@ -56,13 +56,21 @@ def expected_shape(typing: Typing, v, k: int) -> tuple:
 
 def slice_aval(x, t, k: int):
     """What stands for `x` (an array) at a slice in a trace (axis `t` `k` times shorter): its
-    abstract value, or, for a value that varies along manual mesh axes inside a `shard_map`
-    (a type `jax.make_jaxpr` does not take as an input), its first rows (traced, unused)."""
-    if compat.varying_axes(compat.aval_of(x)):
+    abstract value with its sharding (under `jax.set_mesh` a value's type carries its mesh:
+    without it, JAX reshards the slice's values to an empty mesh, and the backward at the
+    slice is another program), or, for a value that varies along manual mesh axes inside a
+    `shard_map` (a type `jax.make_jaxpr` does not take as an input), its first rows (traced,
+    unused)."""
+    aval = compat.aval_of(x)
+    if compat.varying_axes(aval):
         return jax.lax.slice_in_dim(x, 0, np.shape(x)[t] // k, axis=t) if is_axis(t) else x
     shape = list(np.shape(x))
     if is_axis(t):
         shape[t] //= k
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and getattr(mesh, "shape_tuple", ()):
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x), sharding=sharding)
     return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
 

@@ -396,13 +396,13 @@ def is_zero(v, producer) -> bool:
     """Whether `v` is provably all zeros (a literal 0, or a broadcast, cast or reshape of
     one), float0 values included."""
     while True:
+        if np.dtype(getattr(v.aval, "dtype", np.float32)) == _FLOAT0:
+            return True  # no values (an integer input's cotangent, a literal one included)
         if compat.is_literal(v):
             try:
                 return bool(np.all(np.asarray(v.val) == 0))
             except Exception:  # noqa: BLE001 - not a number
                 return False
-        if np.dtype(getattr(v.aval, "dtype", np.float32)) == _FLOAT0:
-            return True
         eqn = producer.get(v)
         if eqn is None or eqn.primitive.name not in (
                 "broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p",
@@ -426,7 +426,7 @@ def check_backward(jaxpr, in_types: Sequence, batch: int, n_args: int, *, consts
     producer = typing.producer()
     for i, (v, t_in) in enumerate(zip(jaxpr.outvars, in_types[:n_args])):
         t = typing.type(v)
-        if not compat.is_literal(v) and np.dtype(v.aval.dtype) == _FLOAT0:
+        if np.dtype(v.aval.dtype) == _FLOAT0:  # a literal one too (NNX's rng counter's)
             continue
         if t is None and is_zero(v, producer):
             continue

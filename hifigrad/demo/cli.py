@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as e:  # --help, --version: printed, then argparse exits
             return e.code if isinstance(e.code, int) else 0
         if args.command is None:
-            parser.print_help()
+            parser.print_help(sys.stderr)
+            print(f"\n{PROG}: error: a command is needed, e.g. `{PROG} demo` (or "
+                  f"`{PROG} demo --help`)", file=sys.stderr)
             return 2
         missing = missing_demo_packages()
         if missing:
