@@ -52,6 +52,9 @@ BASE = dict(
     skip_jax_distributed_system=True,
     dataset_type="synthetic",
     run_name="hifigrad_probe",
+    # MaxText turns on JAX's persistent compilation cache (~/jax_cache) by default: off, so that
+    # every program is compiled here (what XLA dumps is what was measured).
+    jax_cache_dir="",
 )
 
 # Per config: MaxText's model_name, then the shrunk sizes that architecture needs.

@@ -96,6 +96,8 @@ def peak(fn, *args, top: int = 12) -> dict:
 
     import jax
 
+    # (A compilation served from JAX's persistent cache runs no XLA pass and dumps nothing:
+    # where the cache is on, e.g. MaxText's default ~/jax_cache, turn it off first.)
     with tempfile.TemporaryDirectory() as d:
         jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": d,
                                                            "xla_dump_hlo_as_text": True})

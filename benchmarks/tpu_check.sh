@@ -23,7 +23,8 @@
 # junit file), TEST_TIMEOUT_S (per test, default 150, needs pytest-timeout), TESTS (default
 # tests), PYTEST_EXTRA (more pytest arguments, e.g. -k ...), DEPS=0 (install nothing),
 # BENCH=1 (after the suite: python3 benchmarks/tpu_bench.py $BENCH_ARGS into $OUT).
-# Optional packages (flax, optax, pytest-timeout; the tests that need others skip) install from
+# Optional packages (flax, optax, pytest-timeout, and the demo's rich and matplotlib; the tests
+# that need others skip) install from
 # the machine's own index (file:///opt/pypi/simple) into $SITE, appended to PYTHONPATH so that
 # the machine's JAX stays first.
 set -u
@@ -60,6 +61,8 @@ if [ "${DEPS:-1}" = 1 ] && [ -d "${INDEX#file://}" ]; then
   $PY -c 'import flax' 2> /dev/null || want+=(flax)
   $PY -c 'import optax' 2> /dev/null || want+=(optax)
   $PY -c 'import pytest_timeout' 2> /dev/null || want+=(pytest-timeout)
+  $PY -c 'import rich' 2> /dev/null || want+=(rich)
+  $PY -c 'import matplotlib' 2> /dev/null || want+=(matplotlib)
   if [ ${#want[@]} -gt 0 ]; then
     say "installing ${want[*]} from $INDEX into $SITE"
     PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --only-binary=:all: \

@@ -24,10 +24,27 @@ from ._src.report import fidelity_report as fidelity_report
 from ._src.rules import promote_rule as promote_rule
 from ._src.rules import register_rule as register_rule
 
-try:
-    __version__ = _metadata.version("hifigrad")
-except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0+unknown"
+def _version() -> str:
+    """The installed distribution's version; from a source tree that is not installed (run
+    with its folder on PYTHONPATH), its pyproject.toml's; else ``0.0.0+unknown``."""
+    try:
+        return _metadata.version("hifigrad")
+    except _metadata.PackageNotFoundError:
+        pass
+    import pathlib
+    import tomllib
+
+    try:
+        path = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+        project = tomllib.loads(path.read_text())["project"]
+        if project.get("name") == "hifigrad":
+            return str(project["version"])
+    except (OSError, KeyError, ValueError):
+        pass
+    return "0.0.0+unknown"
+
+
+__version__ = _version()
 
 _check_jax_version()  # one UntestedJaxWarning when the installed JAX is outside the tested range
 

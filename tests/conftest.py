@@ -25,6 +25,11 @@ def _children_off_the_tpu():
     pytest_configure: an xdist controller runs no tests and must not open a device.)"""
     if os.environ.get("JAX_PLATFORMS", "") == "" and jax.default_backend() == "tpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
+        # JAX's start-up advice about the host's kernel (jax/_src/cloud_tpu_init.py), which a
+        # TPU host's children print to the stderr some tests compare: not about this code.
+        ignore = "ignore:Transparent hugepages are not enabled:UserWarning"
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            w for w in (os.environ.get("PYTHONWARNINGS", ""), ignore) if w)
     yield
 
 

@@ -460,8 +460,9 @@ def _shard_map(f, mesh, in_specs, out_specs):
 
 @program("pure_callback_forward")
 def _():
-    def host_scale(x):
-        return np.asarray(x) * 2.0
+    def host_scale(x):  # (some NumPy releases promote ml_dtypes' bf16 * 2.0 to float32)
+        x = np.asarray(x)
+        return (x * 2.0).astype(x.dtype)
 
     def f(x):
         s = jax.pure_callback(host_scale, jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -476,7 +477,7 @@ def _host_bwd(x):
 
 
 def _host_bwd_bwd(_, g):
-    out = jax.pure_callback(lambda g: np.asarray(g) * 3.0,
+    out = jax.pure_callback(lambda g: (np.asarray(g) * 3.0).astype(np.asarray(g).dtype),
                             jax.ShapeDtypeStruct(g.shape, g.dtype), g)
     return (out,)
 

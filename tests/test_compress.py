@@ -334,7 +334,7 @@ def test_flax_nnx_variable_updates_reach_the_caller():
 
 
 def _eqx_mlp(dtype):
-    import equinox as eqx
+    eqx = pytest.importorskip("equinox")
 
     class MLP(eqx.Module):
         layers: list
@@ -360,7 +360,7 @@ def _eqx_loss(m, x):
 @pytest.mark.parametrize("outer, dtype", [("eqx.filter_grad", jnp.float32),
                                           ("hg.equinox.filter_grad", jnp.bfloat16)])
 def test_equinox_filter_checkpoint(outer, dtype):
-    import equinox as eqx
+    eqx = pytest.importorskip("equinox")
 
     grad = eqx.filter_grad if outer == "eqx.filter_grad" else hg.equinox.filter_grad
     model = _eqx_mlp(dtype)
@@ -425,6 +425,8 @@ def _arrays_of(tree):
 def test_every_style_under_every_outer_transform(style, outer):
     """codec 'none' gives the unmodified loss's gradients under the same transform; int8 gives
     float32 gradients within int8's error of them (2**-7 relative per saved carry)."""
+    if "equinox" in (style, outer) or outer == "eqx.filter_grad":
+        pytest.importorskip("equinox")
     if style == "equinox" and outer in ("jax.grad", "hg.grad", "nnx.grad"):
         import equinox as eqx
         loss, model, x = _style(style)

@@ -18,6 +18,12 @@ from hifigrad.demo import MODE_NAMES, cli
 from hifigrad.demo.data import load_corpus, sample_batches
 from hifigrad.demo.train import gradient_sqnr_db
 
+# The demo needs its extra (flax, optax, rich, matplotlib); where it is missing (a TPU host's
+# own Python, say), the module is skipped with the names, as `hifigrad demo` says them.
+pytestmark = pytest.mark.skipif(bool(cli.missing_demo_packages()),
+                                reason=f"the demo extra is missing here: "
+                                       f"{', '.join(cli.missing_demo_packages())}")
+
 # Each hifigrad row and the plain row it must beat on gradient SQNR (mean over training).
 HG_VS_PLAIN = [
     ("bf16-hg", "bf16"),

@@ -1,4 +1,9 @@
-"""Policy(matmul='fast'): bf16 operands, f32 accumulation in backward matmuls."""
+"""Policy(matmul='fast'): bf16 operands, f32 accumulation in backward matmuls.
+
+The exact reference is ``Policy(matmul="exact", matmul_precision="highest")``: float32
+operands multiplied in float32 on every platform. (At JAX's default precision a TPU multiplies
+float32 operands in one bf16 pass, which is what 'fast' does: there the two are the same
+arithmetic, `test_on_a_tpu_exact_at_default_precision_is_fast`.)"""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +11,11 @@ import numpy as np
 import pytest
 from jax import lax
 
+from platforms import tpu_only
+
 import hifigrad as hg
+
+EXACT = hg.Policy(matmul="exact", matmul_precision="highest")
 
 
 def _setup():
@@ -23,7 +32,7 @@ def loss(ws, x):
 
 def test_fast_is_close_to_exact_and_f32(maybe_jit):
     ws, x = _setup()
-    exact = hg.grad(loss, policy=hg.Policy(matmul="exact"))(ws, x)
+    exact = hg.grad(loss, policy=EXACT)(ws, x)
     fast = maybe_jit(hg.grad(loss, policy=hg.Policy(matmul="fast")))(ws, x)
     assert fast.dtype == jnp.float32
     # Each backward matmul rounds the cotangent operand to bf16 once (2^-9 relative).
@@ -55,11 +64,23 @@ def attention_loss(q):
 
 def test_fast_batched_matmuls_run_on_every_backend(maybe_jit):
     q = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 2, 4)), jnp.bfloat16)
-    exact = hg.grad(attention_loss, policy=hg.Policy(matmul="exact"))(q)
+    exact = hg.grad(attention_loss, policy=EXACT)(q)
     fast = maybe_jit(hg.grad(attention_loss, policy=hg.Policy(matmul="fast")))(q)
     assert fast.dtype == jnp.float32
     rel = float(jnp.linalg.norm(fast - exact) / jnp.linalg.norm(exact))
     assert 0 < rel <= 4 * 2 ** -9, rel
+
+
+@tpu_only("a TPU's default float32 matmul precision is one bf16 pass")
+def test_on_a_tpu_exact_at_default_precision_is_fast():
+    """What 'fast' means on a TPU: the same arithmetic as a float32 matmul at JAX's default
+    precision (operands rounded to bf16 once, products accumulated in float32), without the
+    float32 copies of the residuals; only ``matmul_precision='highest'`` multiplies in
+    float32 there."""
+    ws, x = _setup()
+    exact = hg.grad(loss, policy=hg.Policy(matmul="exact"))(ws, x)
+    fast = hg.grad(loss, policy=hg.Policy(matmul="fast"))(ws, x)
+    np.testing.assert_allclose(fast, exact, rtol=2 ** -20, atol=0)
 
 
 # ---- Policy(matmul='auto') as it runs on a GPU/TPU host (here: 'auto' resolved as off CPU)

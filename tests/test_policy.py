@@ -12,7 +12,7 @@ from hifigrad._src.policy import resolve_policy
 def test_defaults_and_frozen():
     p = hg.Policy()
     assert p.tangent_dtype == np.dtype(jnp.float32) and p.matmul == "auto"
-    assert p.unsupported == "fallback" and p.coefficients == "forward"
+    assert p.unsupported == "fallback" and p.coefficients == "auto"
     assert p.matmul_precision is None and p.lax_precision() is None
     with pytest.raises(AttributeError):
         p.matmul = "fast"  # type: ignore[misc]
@@ -46,6 +46,39 @@ def test_auto_matmul_resolves_by_platform(platform, mode):
     assert hg.Policy().resolved_matmul(platform) == mode
     for explicit in ("exact", "fast"):
         assert hg.Policy(matmul=explicit).resolved_matmul(platform) == explicit
+
+
+@pytest.mark.parametrize("platform,mode", [("cpu", "forward"), ("gpu", "forward"),
+                                           ("cuda", "forward"), ("tpu", "tangent")])
+def test_auto_coefficients_resolve_by_platform(platform, mode):
+    assert hg.Policy().resolved_coefficients(platform) == mode
+    for explicit in ("forward", "tangent"):
+        assert hg.Policy(coefficients=explicit).resolved_coefficients(platform) == explicit
+
+
+def test_auto_coefficients_as_on_a_tpu_fall_back_for_python_control_flow(monkeypatch):
+    """'auto' resolved as on a TPU ('tangent') runs a function that branches in Python on an
+    array value (it cannot be traced abstractly) with the forward's coefficients, as
+    'forward' would; 'tangent' asked for explicitly says why it cannot."""
+    from hifigrad._src import policy
+
+    monkeypatch.setattr(policy, "_AUTO_COEFFICIENTS", {"cpu": "tangent"})
+    x = jnp.linspace(-1, 1, 8, dtype=jnp.bfloat16)
+
+    def f(x):
+        y = jnp.tanh(x)
+        # a stopped value is concrete when run eagerly under jax.grad (and hg.grad)
+        power = 2 if float(lax.stop_gradient(y)[0]) < 0 else 3
+        return jnp.sum(y.astype(jnp.float32) ** power)
+
+    g = hg.grad(f)(x)
+    np.testing.assert_array_equal(g, hg.grad(f, policy=hg.Policy(coefficients="forward"))(x))
+    with pytest.raises(TypeError, match="coefficients='tangent'"):
+        hg.grad(f, policy=hg.Policy(coefficients="tangent"))(x)
+    # a function that traces gets the tangent coefficients
+    h = lambda x: jnp.sum(jnp.tanh(x).astype(jnp.float32) ** 2)  # noqa: E731
+    np.testing.assert_array_equal(hg.grad(h)(x),
+                                  hg.grad(h, policy=hg.Policy(coefficients="tangent"))(x))
 
 
 def test_auto_matmul_resolves_from_default_backend():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from platforms import highest_precision
+from platforms import cpu_only, highest_precision
 
 import hifigrad as hg
 from hifigrad._src.separable import (
@@ -583,6 +583,9 @@ def test_block_that_branches_on_the_batch_size_slices_as_traced(maybe_jit):
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6 * np.max(np.abs(want)))
 
 
+@cpu_only("bitwise: the same bf16 ops in two compiled programs round alike on XLA:CPU with "
+          "--xla_allow_excess_precision=false (conftest.py); XLA:TPU fuses them differently "
+          "(7e-8 apart, measured)")
 def test_save_residuals_forward_is_the_functions_own():
     """With ``save="residuals"`` the forward's value is `fun`'s (bitwise, bf16, eager), not
     the linearized program's primal, whose bf16 roundings may differ."""

@@ -70,11 +70,11 @@ def _dtype_of(x):
 
 
 def _coefficients_transform(fun, policy: Policy, has_aux: bool = False):
-    if policy.coefficients == "forward":
+    if policy.resolved_coefficients() == "forward":
         return fun
     from .coefficients import precise_coefficients
 
-    return precise_coefficients(fun, policy, has_aux)
+    return precise_coefficients(fun, policy, has_aux, fallback=policy.coefficients == "auto")
 
 
 def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool,

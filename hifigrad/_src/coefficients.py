@@ -202,11 +202,14 @@ _TRACED_MESSAGE = (
     "default), which runs the function as jax.grad does.")
 
 
-def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False):
+def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False,
+                         fallback: bool = False):
     """Returns `fun_flat` re-traced with elementwise ops whose JVP coefficients are computed in
     the backward, at the tangent's dtype. `fun_flat(*arrays)` returns a list (or (list, aux)
     with ``has_aux``: aux leaves that are not JAX arrays -- strings, Python numbers -- are
-    returned as they are, as `jax.linearize` does, not traced)."""
+    returned as they are, as `jax.linearize` does, not traced). With `fallback` (the 'auto'
+    policy), a function that cannot be traced abstractly (Python control flow on values) runs
+    as it is, its coefficients the forward's, instead of raising."""
 
     def wrapped(*args):
         static_aux: list = []
@@ -223,6 +226,8 @@ def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False):
         try:
             jaxpr, consts, out_tree = compat.make_jaxpr_closed(traced, *args)
         except jax.errors.ConcretizationTypeError as e:
+            if fallback:
+                return fun_flat(*args)
             raise TypeError(f"{_TRACED_MESSAGE} JAX said: {str(e).splitlines()[0]}") from e
         interp = Interpreter(policy, _table())
         outs, _ = interp.eval(jaxpr, consts, list(args), [False] * len(args))
