@@ -14,7 +14,9 @@ frameworks, stay) in bf16.
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.ones((4, 4), jnp.float32)}
     >>> updates, state = tx.update(grads, state, params)
-    >>> with jax.numpy_dtype_promotion("standard"):  # JAX's default; optax needs it
+    >>> # optax adds each bf16 parameter and its float32 update (JAX's default 'standard'
+    >>> # promotion allows it; set here only because these examples are tested under 'strict')
+    >>> with jax.numpy_dtype_promotion("standard"):
     ...     new = optax.apply_updates(params, updates)
     >>> new["w"].dtype, float(new["w"][0, 0])  # 1 - 1e-3 rounds to 1.0 in bf16 ...
     (dtype(bfloat16), 1.0)
@@ -113,7 +115,9 @@ def master_weights(tx):
       ...     grads = hg.grad(loss)(params, x)                  # float32 gradients
       ...     updates, state = tx.update(grads, state, params)
       ...     return optax.apply_updates(params, updates), state
-      >>> with jax.numpy_dtype_promotion("standard"):  # JAX's default; optax needs it
+      >>> # (bf16 parameter + float32 update in optax.apply_updates: JAX's default 'standard'
+      >>> # promotion allows it; set here only because these examples are tested under 'strict')
+      >>> with jax.numpy_dtype_promotion("standard"):
       ...     params, state = step(params, state, x)
       >>> params["w"].dtype, state.master["w"].dtype
       (dtype(bfloat16), dtype('float32'))

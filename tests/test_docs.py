@@ -21,6 +21,7 @@ import pathlib
 import pkgutil
 import re
 
+import jax
 import pytest
 
 import hifigrad
@@ -122,6 +123,39 @@ def test_each_section_runs_on_its_own(page, section):
     namespace: dict = {"__name__": "__docs__"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/{page} [{section}, block {i}]", "exec"), namespace)
+
+
+# A reader pastes one block at a time: each block of the pages a reader starts from runs on its
+# own, in a fresh namespace, with JAX's default dtype promotion, unless its first line says
+# which block it continues; a block the tests skip says so in its first line, where a reader
+# sees it (not only in the HTML comment that marks it).
+_READER_PAGES = ["README.md", "docs/getting-started.md",
+                 *sorted(f"docs/guides/{p.name}" for p in (DOCS / "guides").glob("*.md"))]
+_CONTINUES = re.compile(r"^# \(continues the blocks? above")
+
+
+def _reader_blocks():
+    out = []
+    for page in _READER_PAGES:
+        for i, (skip, code) in enumerate(_BLOCK.findall((ROOT / page).read_text())):
+            out.append((page, i, bool(skip), code))
+    return out
+
+
+@pytest.mark.parametrize("page, i, skip, code", _reader_blocks(),
+                         ids=[f"{p}[{i}]" for p, i, _, _ in _reader_blocks()])
+def test_each_block_runs_as_pasted_or_says_it_continues(page, i, skip, code):
+    first = code.splitlines()[0]
+    if skip:
+        assert first.startswith("#") and "not run" in first, (page, i, first)
+        return
+    if _CONTINUES.match(first):
+        assert i > 0, (page, i)
+        return  # runs after the blocks it continues (test_page_code_blocks_run)
+    _needs([code])
+    namespace: dict = {"__name__": "__docs__"}
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        exec(compile(code, f"{page} [block {i}, alone]", "exec"), namespace)
 
 
 def test_self_contained_pages_have_several_sections():
