@@ -49,6 +49,9 @@ mask): ``hg.grad`` over ``hg.compress_checkpoints(loss, "int8" / "fp8_e4m3")`` a
 verdict and a gradient check against the float32 model. Targets: at most 0.85x at 8 x 256
 tokens and 16 blocks, at most 1.0x wherever batch x tokens >= 1024. It writes
 ``benchmarks/results/real_models_jax<release>.md`` and ``.json``.
+``--codec-share`` (about 30 minutes) separates what the sliced float32 backward saves (codec
+"none") from what each codec adds, at depths 2 to 48 and batches 8 and 32, with each codec's
+gradient SQNR; it writes ``benchmarks/results/codec_share_jax<release>.md`` and ``.json``.
 ``--entry-points`` (about 5 minutes) measures the three entry points (`hg.scan`, a `lax.scan`
 over `hg.checkpoint`, `hg.compress_checkpoints`) on a block that writes its shapes as Python
 ints, int8 against the bf16 remat scan (target: each at most 0.85x); it writes
@@ -209,10 +212,17 @@ def main(argv=None):
     ap.add_argument("--entry-points", action="store_true",
                     help="instead: hg.scan, hg.checkpoint and compress_checkpoints on a block "
                          "that bakes its shapes in")
+    ap.add_argument("--codec-share", action="store_true",
+                    help="instead: what slicing gives and what each codec adds, by depth and "
+                         "batch")
     ap.add_argument("--maxtext", nargs="?", const="llama2-full,llama2-minimal,mistral,gemma2,"
                     "deepseek", default=None,
                     help="instead: real MaxText decoders (needs maxtext, Python >= 3.12)")
     args = ap.parse_args(argv)
+    if args.codec_share:
+        result = codec_share_section(argv)
+        write_codec_share(result, args.out)
+        return
     if args.maxtext is not None:
         import maxtext_models
 
@@ -494,6 +504,103 @@ def write_entry(result, out_dir):
                      "; ".join(sorted({s for n in names for s in row[n + " slicing"]}))])
     lines += [md_table(["size", "remat bf16 MiB", *names, "slicing"], rows), ""]
     lines += targets_section(entry_targets(result))
+    write_md(base, lines, result)
+
+
+# ------------------------------------------------------------------ codec share (--codec-share)
+# What slicing gives and what each codec adds, by depth and batch: `hg.grad` over
+# `hg.compress_checkpoints(<the bf16 remat scan>, codec)` for codec "none" (the sliced float32
+# backward alone, each block's input saved as it is) and each codec, against `jax.grad` of the
+# remat scan; and each codec's gradient SQNR against the float32 model.
+SHARE_CODECS = ["none", "fp8_e4m3", "int8", "int4", "int2"]
+SHARE_DEPTHS = (2, 8, 24, 48)
+SHARE_BATCHES = (8, 32)
+SHARE_SIZE = dict(seq=128, d=256, heads=4)
+SHARE_MATTERS = 0.95  # a codec "matters" where it takes at most this of codec "none"'s peak
+
+
+def codec_share_section(argv) -> dict:
+    out = {"env": env_info(sys.argv if argv is None else argv), "jax": jax.__version__,
+           "size": SHARE_SIZE, "rows": {}}
+    block = make_block(SHARE_SIZE["heads"])
+
+    def body(c, p):
+        return block(c, p), None
+
+    def remat(params, x):
+        return loss_of(lax.scan(jax.checkpoint(body), x, params)[0])
+
+    for blocks in SHARE_DEPTHS:
+        for batch in SHARE_BATCHES:
+            params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), blocks=blocks,
+                                                        d=SHARE_SIZE["d"]))
+            x = jax.ShapeDtypeStruct((batch, SHARE_SIZE["seq"], SHARE_SIZE["d"]),
+                                     jnp.bfloat16)
+
+            def temp(f):
+                return jax.jit(f).lower(params, x).compile().memory_analysis() \
+                    .temp_size_in_bytes
+            row = {"remat bf16": temp(jax.grad(remat))}
+            for c in SHARE_CODECS:
+                row[f"cc {c}"] = temp(hg.grad(hg.compress_checkpoints(remat, c)))
+            key = f"{blocks} blocks, batch {batch}"
+            out["rows"][key] = row
+            print(key, "  ".join(f"{k} {row[k] / row['remat bf16']:.3f}x" for k in row
+                                 if k != "remat bf16"), flush=True)
+    # SQNR against the float32 model: 4 blocks, batch 8, real values.
+    key = jax.random.PRNGKey(1)
+    p32 = init_params(key, blocks=4, d=SHARE_SIZE["d"], dtype=jnp.float32)
+    x32 = jax.random.normal(jax.random.PRNGKey(2), (8, SHARE_SIZE["seq"], SHARE_SIZE["d"]))
+    ref = jax.jit(jax.grad(remat))(p32, x32)
+    p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), p32)
+    flat_ref = np.concatenate([np.asarray(a, np.float64).ravel()
+                               for a in jax.tree_util.tree_leaves(ref)])
+    out["sqnr_db"] = {}
+    for name, f in [("remat bf16 (jax.grad)", jax.grad(remat)),
+                    *[(f"cc {c}", hg.grad(hg.compress_checkpoints(remat, c)))
+                      for c in SHARE_CODECS]]:
+        g = jax.jit(f)(p16, x32.astype(jnp.bfloat16))
+        flat = np.concatenate([np.asarray(a, np.float64).ravel()
+                               for a in jax.tree_util.tree_leaves(g)])
+        out["sqnr_db"][name] = sqnr_db(flat_ref, flat)
+    print("SQNR", out["sqnr_db"], flush=True)
+    return out
+
+
+def write_codec_share(result, out_dir):
+    ver = result["jax"]
+    base = os.path.join(out_dir, f"codec_share_jax{ver}")
+    write_json(base + ".json", result)
+    size = result["size"]
+    lines = [f"# What slicing gives and what each codec adds (jax {ver}, CPU)", "",
+             "Written by `PYTHONPATH=. python benchmarks/transformer_memory_bench.py "
+             "--codec-share`. The bench's bf16 pre-LN transformer block (d={d}, {heads} heads, "
+             "{seq} tokens per row), scanned; peak temp of one compiled step "
+             "(`memory_analysis().temp_size_in_bytes`). *remat bf16*: `jax.grad` of "
+             "`lax.scan(jax.checkpoint(block))`, what a bf16 user runs; *cc none*: `hg.grad` of "
+             "`hg.compress_checkpoints(<that loss>, 'none')`: the float32 backward in batch "
+             "slices, each block's input saved as it is (the slicing's share); *cc codec*: the "
+             "same with that codec (its share: the second number, against *cc none*).".format(
+                 **size), ""]
+    header = ["depth, batch", "remat bf16 MiB", "cc none", *[f"cc {c}" for c in
+                                                             SHARE_CODECS[1:]]]
+    rows = []
+    for key, row in result["rows"].items():
+        b, n = row["remat bf16"], row["cc none"]
+        rows.append([key, f"{b / MiB:.1f}", f"{n / b:.3f}x",
+                     *[f"{row[f'cc {c}'] / b:.3f}x ({row[f'cc {c}'] / n:.2f})"
+                       for c in SHARE_CODECS[1:]]])
+    lines += [md_table(header, rows), ""]
+    first = {}
+    for c in SHARE_CODECS[1:]:
+        hits = [k for k, r in result["rows"].items() if r[f"cc {c}"] <= SHARE_MATTERS * r["cc none"]]
+        first[c] = hits[0] if hits else None
+    lines += ["Where a codec's bits start to matter (its peak at most "
+              f"{SHARE_MATTERS}x codec 'none''s, first in the table's order): " + "; ".join(
+                  f"{c}: {k or 'nowhere measured'}" for c, k in first.items()) + ".", ""]
+    lines += ["Gradient SQNR against the float32 model (4 blocks, batch 8; float32 "
+              "gradients for cc): " + ", ".join(f"{k} {v:.1f} dB"
+                                                for k, v in result["sqnr_db"].items()), ""]
     write_md(base, lines, result)
 
 

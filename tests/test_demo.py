@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(bool(cli.missing_demo_packages()),
 # Each hifigrad row and the plain row it must beat on gradient SQNR (mean over training).
 HG_VS_PLAIN = [
     ("bf16-hg", "bf16"),
+    ("none-hg", "bf16"),
     ("bf16-hg-fast", "bf16"),
     ("fp16-hg", "fp16"),
     ("fp8-hg", "fp8-seed"),
@@ -565,3 +566,19 @@ def test_no_command_says_a_command_is_needed(capsys):
     assert err.strip().splitlines()[-1] == (
         "hifigrad: error: a command is needed, e.g. `hifigrad demo` "
         "(or `hifigrad demo --help`)")
+
+
+def test_report_splits_the_saving_into_slicing_and_codec():
+    """The memory conclusion at scale says what the sliced float32 backward saves alone (the
+    'none-hg' row) and what each codec takes of that."""
+    from hifigrad.demo.report import _split_conclusion
+
+    results = {"modes": [{"name": "none-hg", "label": "bf16 act, f32 grad (hg)"},
+                         {"name": "int8-hg", "label": "int8 act, f32 grad (hg)"},
+                         {"name": "bf16-hg", "label": "bf16 hg exact"}],
+               "memory_at_scale": {"remat_bf16_temp_bytes": 100,
+                                   "temp_bytes": {"none-hg": 60, "int8-hg": 45,
+                                                  "bf16-hg": 130}}}
+    (line,) = _split_conclusion(results)
+    assert "takes 0.60x of the bf16 jax.checkpoint scan's peak" in line
+    assert "int8 act, f32 grad (hg) 0.75x" in line and "bf16 hg exact" not in line

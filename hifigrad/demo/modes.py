@@ -85,6 +85,11 @@ MODES: tuple[Mode, ...] = (
          description="bf16 blocks in a remat scan whose carries are fp8 e4m3 (delayed scaling); "
                      "the seed issue's quantize/dequantize custom_vjp, whose backward casts the "
                      "gradient to fp8 e4m3 too."),
+    Mode("none-hg", "bf16 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="none",
+         counterpart="bf16",
+         description="bf16 forward; hifigrad.scan saves each block's input as it is (codec "
+                     "'none') and recomputes the block in an f32 backward run in batch slices: "
+                     "what the sliced backward saves, before any codec."),
     Mode("fp8-hg", "fp8 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="fp8_e4m3",
          counterpart="fp8-seed",
          description="bf16 forward; hifigrad.scan saves each block's input as fp8 e4m3 and "

@@ -236,10 +236,35 @@ def _scale_conclusions(results: dict) -> list[str]:
     if not ratios:
         return []
     scale = results["memory_at_scale"]
-    return [f"**At scale** ({_scale_size(scale)}; compiled, not trained), one training step's "
-            f"peak temp relative to the bf16 jax.checkpoint scan's "
-            f"({scale['remat_bf16_temp_bytes'] / 2**20:.3g} MB): "
-            + ", ".join(f"{label} {x:.2f}x" for _, label, x in ratios) + "."]
+    out = [f"**At scale** ({_scale_size(scale)}; compiled, not trained), one training step's "
+           f"peak temp relative to the bf16 jax.checkpoint scan's "
+           f"({scale['remat_bf16_temp_bytes'] / 2**20:.3g} MB): "
+           + ", ".join(f"{label} {x:.2f}x" for _, label, x in ratios) + "."]
+    out += _split_conclusion(results)
+    return out
+
+
+def _split_conclusion(results: dict) -> list[str]:
+    """Where the saving at scale comes from: the sliced float32 backward alone (the 'none-hg'
+    row: hg.scan saving each block's input as it is) against the bf16 jax.checkpoint scan,
+    then each codec against that."""
+    scale = results.get("memory_at_scale") or {}
+    temps, ref = scale.get("temp_bytes", {}), scale.get("remat_bf16_temp_bytes")
+    none = temps.get("none-hg")
+    if not (ref and none):
+        return []
+    labels = {r["name"]: r["label"] for r in results["modes"]}
+    codecs = [(n, t) for n, t in temps.items() if t and n.endswith("-hg")
+              and n not in ("none-hg", "bf16-hg", "bf16-hg-fast", "fp16-hg")]
+    s = (f"**Where it comes from**: the float32 backward run in batch slices, saving each "
+         f"block's input as it is ({labels.get('none-hg', 'none-hg')}), takes "
+         f"{none / ref:.2f}x of the bf16 jax.checkpoint scan's peak: that is the slicing's "
+         f"share.")
+    if codecs:
+        s += (" Each codec then takes, of that: " + ", ".join(
+            f"{labels.get(n, n)} {t / none:.2f}x" for n, t in codecs) + " (the codec's "
+              "share, which grows with depth and batch: benchmarks/results/codec_share_*.md).")
+    return [s]
 
 
 def small_size_note(results: dict) -> str | None:
@@ -340,6 +365,7 @@ MODE_STYLES = {
     "fp16-ls": ("tab:purple", "s"),
     "fp16-hg": ("tab:brown", "p"),
     "fp8-seed": ("tab:pink", "*"),
+    "none-hg": ("teal", "d"),
     "fp8-hg": ("tab:gray", "h"),
     "int8-hg": ("tab:olive", "D"),
     "int4-hg": ("tab:cyan", "X"),
