@@ -516,7 +516,7 @@ SHARE_CODECS = ["none", "fp8_e4m3", "int8", "int4", "int2"]
 SHARE_DEPTHS = (2, 8, 24, 48)
 SHARE_BATCHES = (8, 32)
 SHARE_SIZE = dict(seq=128, d=256, heads=4)
-SHARE_MATTERS = 0.95  # a codec "matters" where it takes at most this of codec "none"'s peak
+SHARE_MATTERS = 0.8  # a codec "matters" where it takes at most this of codec "none"'s peak
 
 
 def codec_share_section(argv) -> dict:
@@ -596,7 +596,8 @@ def write_codec_share(result, out_dir):
         hits = [k for k, r in result["rows"].items() if r[f"cc {c}"] <= SHARE_MATTERS * r["cc none"]]
         first[c] = hits[0] if hits else None
     lines += ["Where a codec's bits start to matter (its peak at most "
-              f"{SHARE_MATTERS}x codec 'none''s, first in the table's order): " + "; ".join(
+              f"{SHARE_MATTERS}x codec 'none''s: the codec saves a fifth more than the slicing "
+              "alone; first in the table's order): " + "; ".join(
                   f"{c}: {k or 'nowhere measured'}" for c, k in first.items()) + ".", ""]
     lines += ["Gradient SQNR against the float32 model (4 blocks, batch 8; float32 "
               "gradients for cc): " + ", ".join(f"{k} {v:.1f} dB"
