@@ -58,7 +58,8 @@ def _specs_kept(report, prefix):
 
 
 @pytest.mark.parametrize("case", ["data_parallel", "fsdp", "tensor_parallel", "shard_map",
-                                  "explicit_auto_axes", "checkpoint_in_shard_map"])
+                                  "explicit_auto_axes", "checkpoint_in_shard_map",
+                                  "optimizer_state"])
 def test_sharded_gradients_match_one_device(case):
     report = _run(case)
     errs = {k: v for k, v in report.items() if k.endswith("_max_err_over_tol")}

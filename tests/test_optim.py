@@ -173,3 +173,243 @@ def test_importing_hifigrad_does_not_import_optax():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ------------------------------------------------------------------ the split master
+
+def _bits(x):
+    return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32))
+
+
+def _sample_bits():
+    """Float32 bit patterns: random ones, and the edges (zeros, infinities, NaNs, the largest
+    finite bf16 and the ties around it, exact ties)."""
+    rng = np.random.default_rng(0)
+    edges = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
+                      0x7F808000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000, 0x00008000,
+                      0x3F808000, 0x3F818000, 0x80008000], np.uint32)
+    return np.concatenate([rng.integers(0, 2 ** 32, size=100_000, dtype=np.uint64)
+                           .astype(np.uint32), edges])
+
+
+@pytest.mark.parametrize("rounding", ["nearest_away", "truncate"])
+def test_split_master_is_the_float32_master_exactly(rounding):
+    """Every float32 is its bf16 (rounded as asked) and its 16-bit low half, exactly; a NaN
+    stays a NaN, in the parameter too (never read as inf)."""
+    from hifigrad.optim import _join, _split
+
+    bits = _sample_bits()
+    x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
+    param, low = _split(x, rounding)
+    assert param.dtype == jnp.bfloat16 and low.dtype == jnp.uint16
+    back = _bits(_join(param, low, rounding))
+    nan = np.isnan(np.asarray(x))
+    np.testing.assert_array_equal(back[~nan], bits[~nan])
+    assert np.isnan(np.asarray(_join(param, low, rounding)))[nan].all()
+    assert np.isnan(np.asarray(param, np.float32))[nan].all()
+    if rounding == "nearest_away":  # round to nearest: it differs from ties-to-even at ties only
+        rne = np.asarray(x.astype(jnp.bfloat16), np.float32)
+        diff = (np.asarray(param, np.float32) != rne) & ~nan
+        assert diff.any() and ((bits[diff] & 0xFFFF) == 0x8000).all()
+
+
+@pytest.mark.parametrize("rounding", ["nearest_away", "truncate"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_split_master_trains_bitwise_as_the_float32_master(rounding, jit):
+    """Step by step, the split master's parameters and master are the float32 master's, bit for
+    bit, with the same parameter rounding (the test's chain: clipping, AdamW with a mask, a
+    float32 leaf)."""
+    wrap = jax.jit if jit else (lambda f: f)
+    p0 = _params()
+    full = hg.optim.master_weights(_tx(), param_rounding=rounding)
+    split = hg.optim.master_weights(_tx(), master="split", param_rounding=rounding)
+    pa, sa = p0, full.init(p0)
+    pb, sb = p0, split.init(p0)
+    assert sb.master["w"].dtype == jnp.uint16 and sb.master["scale"].dtype == jnp.float32
+
+    def step(tx):
+        def f(params, state, grads):
+            with jax.numpy_dtype_promotion("standard"):
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+        return wrap(f)
+
+    fa, fb = step(full), step(split)
+    for i in range(STEPS):
+        pa, sa = fa(pa, sa, _grads(i))
+        pb, sb = fb(pb, sb, _grads(i))
+        for k in pa:
+            np.testing.assert_array_equal(_bits(pa[k]), _bits(pb[k]), err_msg=f"step {i} {k}")
+        master = split.master_params(pb, sb)
+        for k in pa:
+            np.testing.assert_array_equal(_bits(sa.master[k]), _bits(master[k]),
+                                          err_msg=f"step {i} {k}")
+
+
+def test_split_master_needs_a_rounding_its_16_bits_hold():
+    with pytest.raises(ValueError, match="nearest_away"):
+        hg.optim.master_weights(optax.sgd(1e-3), master="split", param_rounding="nearest_even")
+    with pytest.raises(ValueError, match="master must be one of"):
+        hg.optim.master_weights(optax.sgd(1e-3), master="bf16")
+
+
+# ------------------------------------------------------------------ rounding
+
+def test_round_to_bf16_modes():
+    x = jnp.asarray([1 + 2 ** -8, -(1 + 2 ** -8), 1 + 3 * 2 ** -9, np.inf, -np.inf, np.nan],
+                    jnp.float32)
+    even = np.asarray(hg.optim.round_to_bf16(x, "nearest_even"), np.float32)
+    away = np.asarray(hg.optim.round_to_bf16(x, "nearest_away"), np.float32)
+    trunc = np.asarray(hg.optim.round_to_bf16(x, "truncate"), np.float32)
+    assert list(even[:3]) == [1.0, -1.0, 1 + 2 ** -7]
+    assert list(away[:3]) == [1 + 2 ** -7, -(1 + 2 ** -7), 1 + 2 ** -7]
+    assert list(trunc[:3]) == [1.0, -1.0, 1.0]
+    for r in (even, away, trunc):
+        assert list(r[3:5]) == [np.inf, -np.inf] and np.isnan(r[5])
+    with pytest.raises(ValueError, match="needs `bits`"):
+        hg.optim.round_to_bf16(x, "stochastic")
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    """Rounded stochastically, 1 + u/4 of an ulp averages to itself (4096 draws: the standard
+    error is under 1% of an ulp); the same bits give the same result; NaN and inf stay."""
+    ulp = 2.0 ** -7
+    x = jnp.full((4096,), 1 + ulp / 4, jnp.float32)
+    bits = jax.random.bits(jax.random.key(0), x.shape, jnp.uint16)
+    r = hg.optim.round_to_bf16(x, "stochastic", bits)
+    mean = float(np.asarray(r, np.float64).mean())
+    assert abs(mean - (1 + ulp / 4)) < 0.03 * ulp, mean
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(hg.optim.round_to_bf16(
+        x, "stochastic", bits)))
+    y = hg.optim.round_to_bf16(jnp.asarray([np.inf, np.nan], jnp.float32), "stochastic",
+                               jnp.full((2,), 0xFFFF, jnp.uint16))
+    assert float(y[0]) == np.inf and np.isnan(float(y[1]))
+
+
+def _sub_ulp_run(tx, steps=50):
+    """SGD steps of 2e-4 on parameters at 1.0, whose bf16 half ulp is 2**-8 (3.9e-3): each
+    update alone is rounded away."""
+    p = {"w": jnp.ones((512,), jnp.bfloat16)}
+    state = tx.init(p)
+    g = {"w": jnp.ones((512,), jnp.float32)}
+
+    @jax.jit
+    def step(p, state):
+        with jax.numpy_dtype_promotion("standard"):
+            u, state = tx.update(g, state, p)
+            return optax.apply_updates(p, u), state
+
+    for _ in range(steps):
+        p, state = step(p, state)
+    return p, state
+
+
+def test_kahan_and_stochastic_rounding_keep_updates_under_half_an_ulp():
+    """50 steps of 2e-4 move a bf16 parameter at 1.0 by 1e-2 in exact arithmetic: lost
+    entirely by plain bf16 updates; kept by Kahan's compensation (parameter + compensation =
+    the exact value, to the compensation's bf16 rounding) and, on average, by stochastic
+    rounding (each step's bits random: the mean of 512 parameters within 2e-3)."""
+    want = 1.0 - 50 * 2e-4
+    plain, _ = _sub_ulp_run(optax.sgd(2e-4))
+    assert float(plain["w"][0]) == 1.0
+    kp, ks = _sub_ulp_run(hg.optim.kahan(optax.sgd(2e-4)))
+    total = np.asarray(kp["w"], np.float64) + np.asarray(ks.compensation["w"], np.float64)
+    # each step rounds the compensation (at most half an ulp of the parameter, 2**-8) to
+    # bf16: 2**-17 at most, 50 times
+    np.testing.assert_allclose(total, want, atol=50 * 2 ** -17)
+    sp, _ = _sub_ulp_run(hg.optim.stochastic_rounding(optax.sgd(2e-4), seed=1))
+    assert abs(float(np.asarray(sp["w"], np.float64).mean()) - want) < 2e-3
+
+
+# ------------------------------------------------------------------ compact moments
+
+def _adam_run(tx, steps=20):
+    p = {"w": jnp.zeros((8, 256), jnp.float32)}
+    state = tx.init(p)
+    outs = []
+    for i in range(steps):
+        g = {"w": jnp.asarray(np.random.default_rng(i).normal(size=(8, 256)) *
+                              np.logspace(-4, 0, 256), jnp.float32)}
+        u, state = jax.jit(tx.update)(g, state, p)
+        outs.append(np.asarray(u["w"]))
+    return np.stack(outs), state
+
+
+def test_float32_moments_are_optax_adam():
+    got, _ = _adam_run(hg.optim.scale_by_adam(0.9, 0.999, 1e-8))
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
+        want, _ = _adam_run(optax.scale_by_adam(0.9, 0.999, 1e-8))
+    # the updates are O(1) quotients; the two associate the bias correction differently, each
+    # rounding 2**-24 of an O(1) term per step: over 20 steps at most ~20 ulps of 1 (2.4e-6),
+    # which on an update that cancels to 0.03 is 1e-4 relative, hence an absolute bound
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=20 * 2.0 ** -23)
+
+
+@pytest.mark.parametrize("moments, half_step", [("fp16", 2.0 ** -11), ("bf16", 2.0 ** -8),
+                                                 ("8bit", 2.0 ** -4)])
+def test_compact_moments_stay_close_to_float32(moments, half_step):
+    """Adam's updates with compact moments against float32 moments, over 20 steps of gradients
+    spanning four decades within each block. Each store rounds stochastically, with a relative
+    error of at most half the code's spacing (float16 2**-11, bf16 2**-8, the 8-bit code's 3
+    mantissa bits 2**-4); unbiased, the errors add in quadrature over the moments' memory
+    (about 1 / sqrt(1 - b1**2) = 2.3 stores for the first, sqrt(20) = 4.5 for the second,
+    halved through its square root): norm-wise, within 5 half-spacings."""
+    ref, _ = _adam_run(hg.optim.scale_by_adam())
+    got, state = _adam_run(hg.optim.scale_by_adam(moments=moments, seed=3))
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 5 * half_step, err
+    assert np.all(np.isfinite(got))
+    if moments != "8bit":  # float32's updates stay within 1.004 here; 8-bit's elements wander
+        assert np.max(np.abs(got)) <= np.max(np.abs(ref)) * (1 + 5 * half_step)
+    if moments in ("8bit", "fp16"):
+        code = jnp.uint8 if moments == "8bit" else jnp.float16
+        assert state.mu["w"].dtype == code and state.nu["w"].dtype == code
+        assert state.mu_scale["w"].shape == (8, 2)
+
+
+def test_fp16_code_is_unbiased_and_exact_on_its_values():
+    """The float16 code rounds stochastically: a value between two codes comes back as either,
+    with mean the value; a block's largest element and any float16 multiple of the scale come
+    back exactly."""
+    from hifigrad.optim import _decode16, _encode16
+    x = jnp.asarray([1.0, 0.5 + 2.0 ** -13, 16.25 * 2.0 ** -24, -0.25] + [0.0] * 124, jnp.float32)
+    draws = []
+    for s in range(400):
+        bits = jax.random.bits(jax.random.key(s), x.shape, jnp.uint16)
+        c, sc = _encode16(x, bits)
+        assert c.dtype == jnp.float16
+        draws.append(np.asarray(_decode16(c, sc)))
+    draws = np.stack(draws)
+    assert np.all(draws[:, 0] == 1.0) and np.all(draws[:, 3] == -0.25)
+    assert set(np.unique(draws[:, 1])) == {0.5, 0.5 + 2.0 ** -11}
+    assert set(np.unique(draws[:, 2])) == {16 * 2.0 ** -24, 17 * 2.0 ** -24}
+    # the mean of 400 draws: within 4 standard errors (the spread is the gap times 1/2 at most)
+    for k, gap in ((1, 2.0 ** -11), (2, 2.0 ** -24)):
+        assert abs(draws[:, k].mean() - float(x[k])) < 4 * gap / 2 / np.sqrt(400)
+
+
+def test_unknown_moments_is_an_error():
+    with pytest.raises(ValueError, match="moments must be one of"):
+        hg.optim.scale_by_adam(moments="fp8")
+
+
+def test_state_bytes_per_parameter():
+    """What each configuration keeps per bf16 parameter (the parameter itself included):
+    float32 master 14, split master 12, split master with 8-bit moments about 6.06, Kahan
+    with bf16 moments 8, with block-scaled float16 moments 8.06 (two float32 scales per 128)."""
+    params = {"w": jnp.zeros((64, 256), jnp.bfloat16)}
+    n = 64 * 256
+
+    def per_param(tx):
+        state = tx.init(params)
+        return (sum(x.nbytes for x in jax.tree.leaves(state)) + 2 * n) / n
+
+    assert per_param(hg.optim.master_weights(optax.adamw(1e-3))) == pytest.approx(14, abs=0.01)
+    assert per_param(hg.optim.master_weights(optax.adamw(1e-3), master="split")) == \
+        pytest.approx(12, abs=0.01)
+    assert per_param(hg.optim.master_weights(hg.optim.adamw(1e-3, moments="8bit"),
+                                             master="split")) == pytest.approx(6.06, abs=0.02)
+    assert per_param(hg.optim.kahan(hg.optim.adamw(1e-3, moments="bf16"))) == \
+        pytest.approx(8, abs=0.01)
+    assert per_param(hg.optim.kahan(hg.optim.adamw(1e-3, moments="fp16"))) == \
+        pytest.approx(8.06, abs=0.01)
