@@ -516,6 +516,13 @@ def case_checkpoint_in_shard_map(report):
             report[tag + "_slices"] = hg.slice_report(hg.value_and_grad(f), ws, x)
             assert all(r.startswith("sliced") for r in report[tag + "_slices"]), report
             _compare(tag + "_around", jax.jit(hg.value_and_grad(f))(ws, x), want, report)
+            # placed on the mesh (parameters replicated, the batch sharded): the gradient
+            # keeps the parameters' sharding
+            ws_sh = jax.device_put(ws, NamedSharding(mesh, P()))
+            x_sh = jax.device_put(x, NamedSharding(mesh, P("data")))
+            _, g = jax.jit(hg.value_and_grad(f))(ws_sh, x_sh)
+            _compare(tag + "_placed", g, want[1], report)
+            _check_shardings(tag, g, ws_sh, report)
 
             # Inside the shard_map, per-device gradients: with check_vma, JAX reduces a
             # replicated parameter's gradient over the devices itself (jax.grad does too).

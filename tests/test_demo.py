@@ -470,7 +470,7 @@ def test_memory_at_scale_leads_with_the_saving(quick, tmp_path, monkeypatch):
     _, out, results, rows = quick
     scale = results["memory_at_scale"]
     assert scale["model"]["n_layers"] == SCALE.n_layers and scale["batch_size"] == SCALE_BATCH
-    assert sorted(scale["temp_bytes"]) == ["fp8-hg", "int2-hg", "int4-hg", "int8-hg"]
+    assert sorted(scale["temp_bytes"]) == ["fp8-hg", "int2-hg", "int4-hg", "int8-hg", "none-hg"]
     ref = scale["remat_bf16_temp_bytes"]
     ratios = {n: t / ref for n, t in scale["temp_bytes"].items()}
     assert all(x < 1.0 for x in ratios.values()), ratios  # the saving shows at this size
