@@ -113,7 +113,7 @@ def overrides(name: str, layers: int = 8, batch: int = 8, seq: int = 256, **extr
                 **extra)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _config(name, layers, batch, seq, extra):
     from maxtext.configs import pyconfig
 

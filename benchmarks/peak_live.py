@@ -2,9 +2,10 @@
 
 `memory_analysis()` says how large a compiled program's temp allocation is, not what fills it.
 `peak(fn, *args)` compiles ``jax.jit(fn)`` with XLA's dump switched on for that one
-compilation (``xla_dump_to`` as a compiler option) and reads two of the files XLA writes: the buffer assignment (each HLO value's size and offset) and the live
-ranges (each value's first and last position in the program's schedule). At each position
-the live temp values are summed; the position with the largest sum is the peak, and its live
+compilation (``xla_dump_to`` as a compiler option) and reads two of the files XLA writes:
+the buffer assignment (each HLO value's size and offset) and the live ranges (each value's
+first and last position in the program's schedule). At each position the live temp values
+are summed; the position with the largest sum is the peak, and its live
 values, largest first, are what the step's memory is made of there.
 
 Used by `transformer_memory_bench.py --maxtext`; ``python benchmarks/peak_live.py DUMP_DIR``
@@ -21,7 +22,8 @@ from collections import defaultdict
 
 _VALUE = re.compile(r"value: <\d+ (\S+?)(?:\{[^}]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)")
 _RANGE = re.compile(r"^\s+(\S+?)\{([^}]*)\}:(\d+)-(\d+)")
-_ALLOC = re.compile(r"allocation (\d+): size (\d+).*?(preallocated-temp|parameter|maybe-live-out)?:?$")
+_ALLOC = re.compile(
+    r"allocation (\d+): size (\d+).*?(preallocated-temp|parameter|maybe-live-out)?:?$")
 
 
 def _read_temp_values(path: str) -> dict:

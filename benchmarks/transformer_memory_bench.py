@@ -63,6 +63,7 @@ rewrites the markdown from the JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -439,7 +440,7 @@ def entry_section(argv) -> dict:
     for b, t, d, n in ENTRY_SIZES:
         block = baked_block(b, t, d)
 
-        def body(c, p):
+        def body(c, p, block=block):
             return block(c, p), None
 
         def remat(params, x):
@@ -450,10 +451,11 @@ def entry_section(argv) -> dict:
 
         ck = hg.checkpoint(body, codec="int8")
 
-        def checkpointed(params, x):
+        def checkpointed(params, x, ck=ck):
             return loss_of(lax.scan(ck, x, params)[0])
 
-        params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), blocks=n, d=d))
+        params = jax.eval_shape(functools.partial(init_params, jax.random.PRNGKey(0),
+                                                  blocks=n, d=d))
         x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
         variants = {"remat bf16": jax.grad(remat), "hg.scan int8": hg.grad(scanned),
                     "hg.checkpoint int8": hg.grad(checkpointed),
@@ -532,12 +534,12 @@ def codec_share_section(argv) -> dict:
 
     for blocks in SHARE_DEPTHS:
         for batch in SHARE_BATCHES:
-            params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), blocks=blocks,
-                                                        d=SHARE_SIZE["d"]))
+            params = jax.eval_shape(functools.partial(init_params, jax.random.PRNGKey(0),
+                                                      blocks=blocks, d=SHARE_SIZE["d"]))
             x = jax.ShapeDtypeStruct((batch, SHARE_SIZE["seq"], SHARE_SIZE["d"]),
                                      jnp.bfloat16)
 
-            def temp(f):
+            def temp(f, params=params, x=x):
                 return jax.jit(f).lower(params, x).compile().memory_analysis() \
                     .temp_size_in_bytes
             row = {"remat bf16": temp(jax.grad(remat))}
@@ -593,7 +595,8 @@ def write_codec_share(result, out_dir):
     lines += [md_table(header, rows), ""]
     first = {}
     for c in SHARE_CODECS[1:]:
-        hits = [k for k, r in result["rows"].items() if r[f"cc {c}"] <= SHARE_MATTERS * r["cc none"]]
+        hits = [k for k, r in result["rows"].items()
+                if r[f"cc {c}"] <= SHARE_MATTERS * r["cc none"]]
         first[c] = hits[0] if hits else None
     lines += ["Where a codec's bits start to matter (its peak at most "
               f"{SHARE_MATTERS}x codec 'none''s: the codec saves a fifth more than the slicing "

@@ -8,8 +8,8 @@ from ._src.api import grad as grad
 from ._src.api import precise_backward as precise_backward
 from ._src.api import value_and_grad as value_and_grad
 from ._src.api import vjp as vjp
-from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import SliceCheckError as SliceCheckError
+from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
 from ._src.checkpoint import slice_report as slice_report
 from ._src.codecs import get_codec as get_codec
@@ -23,6 +23,7 @@ from ._src.policy import Policy as Policy
 from ._src.report import fidelity_report as fidelity_report
 from ._src.rules import promote_rule as promote_rule
 from ._src.rules import register_rule as register_rule
+
 
 def _version() -> str:
     """The installed distribution's version; from a source tree that is not installed (run

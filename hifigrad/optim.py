@@ -150,7 +150,7 @@ def _split(master, rounding: str):
     rounded up (its master's low half at least 0x8000) lies above its master by 0x10000 -
     low units of the master's last place; a tie rounded to even would need a 17th bit."""
     u = _f32_bits(master)
-    hi, low = u >> 16, u & 0xFFFF
+    low = u & 0xFFFF
     return round_to_bf16(master, rounding), low.astype(jnp.uint16)
 
 
@@ -616,7 +616,8 @@ def _decode8(codes, scale):
     shape = np.shape(codes)
     c = _blocked(codes).astype(jnp.int32)
     e, m = (c >> 3) & 15, c & 7
-    mag = jnp.where(e == 0, 0.0, jnp.exp2((e - 15).astype(jnp.float32)) * (1 + m.astype(jnp.float32) / 8))
+    mag = jnp.exp2((e - 15).astype(jnp.float32)) * (1 + m.astype(jnp.float32) / 8)
+    mag = jnp.where(e == 0, 0.0, mag)
     val = jnp.where(c >= 128, -mag, mag) * scale[..., None]
     return _unblocked(val, shape)
 
@@ -758,8 +759,8 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 1e-4, mask=None, *, moments: str = "float32", seed: int = 0):
     """AdamW (``optax.adamw``) with its moments stored as `scale_by_adam` says: ``"float32"``,
     ``"fp16"`` (block-scaled float16), ``"bf16"`` or ``"8bit"`` (block-scaled 8-bit codes), all
-    rounded stochastically. Combine it with `master_weights`, `kahan` or `stochastic_rounding` for the
-    parameters themselves.
+    rounded stochastically. Combine it with `master_weights`, `kahan` or
+    `stochastic_rounding` for the parameters themselves.
 
     Args:
       learning_rate: a float or an optax schedule.

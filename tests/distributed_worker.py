@@ -526,7 +526,7 @@ def case_checkpoint_in_shard_map(report):
 
             # Inside the shard_map, per-device gradients: with check_vma, JAX reduces a
             # replicated parameter's gradient over the devices itself (jax.grad does too).
-            def inside(ws, x, how=how, grad=hg.value_and_grad):
+            def inside(ws, x, how=how, grad=hg.value_and_grad, check_vma=check_vma):
                 loss = lambda ws, x: local(ws, x, how)  # noqa: E731
                 if how == "cc":
                     loss = hg.compress_checkpoints(loss, "none", backward_slices=4)
@@ -576,7 +576,7 @@ def case_optimizer_state(report):
                 u, s = tx.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
-        def run(p, put):
+        def run(p, put, tx=tx, step=step):
             s = jax.jit(tx.init)(p)
             for g in grads:
                 p, s = step(p, s, put(g))

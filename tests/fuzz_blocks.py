@@ -283,12 +283,16 @@ def args(seed: int):
             jnp.asarray(rng.integers(0, V, size=(B, T)), jnp.int32))
 
 
+def _row(a, i):
+    return a[i]
+
+
 def _python_scan(f, init, xs):
     """`lax.scan`'s contract run eagerly, slice by slice (no compilation per program)."""
     n = len(jax.tree_util.tree_leaves(xs)[0])
     carry, ys = init, []
     for i in range(n):
-        carry, y = f(carry, jax.tree_util.tree_map(lambda a: a[i], xs))
+        carry, y = f(carry, jax.tree_util.tree_map(functools.partial(_row, i=i), xs))
         ys.append(y)
     return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
 

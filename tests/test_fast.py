@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-
 from platforms import tpu_only
 
 import hifigrad as hg

@@ -106,7 +106,8 @@ def _global_jvp_rule(p, t):
 
 
 @pytest.mark.parametrize("fn, match", [
-    (lambda x: _global_clip(x) * 2, "custom_vjp's backward rule: sqrt.*nonlinear function of a sum"),
+    (lambda x: _global_clip(x) * 2,
+     "custom_vjp's backward rule: sqrt.*nonlinear function of a sum"),
     (lambda x: _global_jvp(x) * 2, "custom_jvp rule: reduce_sum.*reduces over the batch axis"),
 ])
 def test_a_custom_rule_that_mixes_rows_is_not_resized(fn, match):

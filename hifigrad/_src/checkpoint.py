@@ -344,7 +344,7 @@ def _forward_mixes(typing) -> str | None:
 
     if typing.fatal:
         return typing.fatal[0].why
-    for i, (v, t) in enumerate(zip(typing.jaxpr.outvars, typing.out_types)):
+    for v, t in zip(typing.jaxpr.outvars, typing.out_types):
         if isinstance(t, Mix) and jnp.issubdtype(v.aval.dtype, jnp.inexact):
             return t.why
     return None
