@@ -217,8 +217,11 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
     4). The parameter the forward sees is then the master rounded to nearest with ties away
     from zero (``param_rounding="nearest_away"``, the default there: with ties to even a
     tie's remainder would need a 17th bit) or truncated (``"truncate"``: the master's top 16
-    bits); a training run is bitwise the run with ``master="float32"`` and the same
-    ``param_rounding``. Leaves that are not bf16 (float32, fp16, integers) are kept as with
+    bits); no bit of the master is lost. Eagerly a training run is bitwise the run with
+    ``master="float32"`` and the same ``param_rounding``; under `jax.jit` the two update steps
+    are different XLA programs, which may fuse a multiply-add in one and not in the other, so
+    a master can differ from the float32 run's by a float32 ulp (as jitting the float32 run
+    itself changes it), and the runs then drift apart as any two float32 runs do. Leaves that are not bf16 (float32, fp16, integers) are kept as with
     ``master="float32"``.
 
     Args:
@@ -670,7 +673,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     code rounded to zero in its block still takes a bounded step.
 
     Args:
-      b1, b2, eps: Adam's decay rates and epsilon.
+      b1: the first moment's decay rate.
+      b2: the second moment's decay rate.
+      eps: added to the second moment's square root in the denominator.
       moments: ``"float32"``, ``"fp16"``, ``"bf16"`` or ``"8bit"``.
       seed: the seed of the stochastic rounding's random bits (threefry: the same on every
         backend).
@@ -764,7 +769,9 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     Args:
       learning_rate: a float or an optax schedule.
-      b1, b2, eps: Adam's decay rates and epsilon.
+      b1: the first moment's decay rate.
+      b2: the second moment's decay rate.
+      eps: added to the second moment's square root in the denominator.
       weight_decay: decoupled weight decay (optax's ``add_decayed_weights``).
       mask: which leaves weight decay applies to (as optax's ``mask``).
       moments: ``"float32"``, ``"fp16"``, ``"bf16"`` or ``"8bit"``.

@@ -193,16 +193,18 @@ def _sample_bits():
 
 
 @pytest.mark.parametrize("rounding", ["nearest_away", "truncate"])
-def test_split_master_is_the_float32_master_exactly(rounding):
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_split_master_is_the_float32_master_exactly(rounding, jit):
     """Every float32 is its bf16 (rounded as asked) and its 16-bit low half, exactly; a NaN
     stays a NaN, in the parameter too (never read as inf)."""
     from hifigrad.optim import _join, _split
 
+    wrap = jax.jit if jit else (lambda f: f)
     bits = _sample_bits()
     x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
-    param, low = _split(x, rounding)
+    param, low = wrap(lambda x: _split(x, rounding))(x)
     assert param.dtype == jnp.bfloat16 and low.dtype == jnp.uint16
-    back = _bits(_join(param, low, rounding))
+    back = _bits(wrap(lambda p, lo: _join(p, lo, rounding))(param, low))
     nan = np.isnan(np.asarray(x))
     np.testing.assert_array_equal(back[~nan], bits[~nan])
     assert np.isnan(np.asarray(_join(param, low, rounding)))[nan].all()
@@ -216,9 +218,16 @@ def test_split_master_is_the_float32_master_exactly(rounding):
 @pytest.mark.parametrize("rounding", ["nearest_away", "truncate"])
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_split_master_trains_bitwise_as_the_float32_master(rounding, jit):
-    """Step by step, the split master's parameters and master are the float32 master's, bit for
-    bit, with the same parameter rounding (the test's chain: clipping, AdamW with a mask, a
-    float32 leaf)."""
+    """Step by step, the split master's parameters and master are the float32 master's, with
+    the same parameter rounding (the test's chain: clipping, AdamW with a mask, a float32 leaf).
+
+    Eagerly, bit for bit. Under jit the two steps are different XLA programs, and XLA may fuse
+    (contract) a multiply-add in one and not in the other: the float32 run jitted and the same
+    run eager differ alike (by an ulp on jax 0.10.2 and 0.12.0.1). So there a master may differ
+    by an ulp per step: at most ``i + 1`` float32 ulps after step ``i`` (a difference feeds back
+    only through weight decay, lr * wd = 3e-5 of it), and each parameter is bitwise the
+    float32 run's wherever the masters are equal (rounding a master is integer arithmetic on
+    its bits). The storage itself is lossless under jit too (the test above)."""
     wrap = jax.jit if jit else (lambda f: f)
     p0 = _params()
     full = hg.optim.master_weights(_tx(), param_rounding=rounding)
@@ -238,11 +247,16 @@ def test_split_master_trains_bitwise_as_the_float32_master(rounding, jit):
     for i in range(STEPS):
         pa, sa = fa(pa, sa, _grads(i))
         pb, sb = fb(pb, sb, _grads(i))
-        for k in pa:
-            np.testing.assert_array_equal(_bits(pa[k]), _bits(pb[k]), err_msg=f"step {i} {k}")
         master = split.master_params(pb, sb)
         for k in pa:
-            np.testing.assert_array_equal(_bits(sa.master[k]), _bits(master[k]),
+            ma, mb = np.asarray(sa.master[k]), np.asarray(master[k])
+            if jit:
+                np.testing.assert_array_max_ulp(ma, mb, maxulp=i + 1)
+                same = ma == mb
+            else:
+                np.testing.assert_array_equal(_bits(ma), _bits(mb), err_msg=f"step {i} {k}")
+                same = np.ones(ma.shape, bool)
+            np.testing.assert_array_equal(_bits(pa[k])[same], _bits(pb[k])[same],
                                           err_msg=f"step {i} {k}")
 
 
