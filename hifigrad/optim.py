@@ -221,7 +221,8 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
     ``master="float32"`` and the same ``param_rounding``; under `jax.jit` the two update steps
     are different XLA programs, which may fuse a multiply-add in one and not in the other, so
     a master can differ from the float32 run's by a float32 ulp (as jitting the float32 run
-    itself changes it), and the runs then drift apart as any two float32 runs do. Leaves that are not bf16 (float32, fp16, integers) are kept as with
+    itself changes it), and the runs then drift apart as any two float32 runs do. Leaves
+    that are not bf16 (float32, fp16, integers) are kept as with
     ``master="float32"``.
 
     Args:
