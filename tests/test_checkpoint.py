@@ -842,3 +842,94 @@ def test_check_slices_names_a_wrong_slicing(how, maybe_jit, monkeypatch):
 def test_check_slices_is_a_bool():
     with pytest.raises(ValueError, match="check_slices must be True or False"):
         hg.Policy(check_slices="yes")
+
+
+def test_slice_report_traces_a_scan_body_traced_before(caplog, monkeypatch):
+    """`lax.scan` caches its body's trace by function: a report made after the step ran (or a
+    second report) still sees the checkpoint (it was [] before), and the jitted step it
+    followed is not compiled again (a step without host callbacks: the slice check's first
+    run has one, and JAX dispatches such a step from Python, whose caches the report empties)."""
+    monkeypatch.delenv("HIFIGRAD_CHECK_SLICES", raising=False)
+    ck = hg.checkpoint(lambda c, w: (jnp.tanh(c @ w), None), "int8")
+
+    def loss(ws, x):
+        return jnp.mean(lax.scan(ck, x, ws)[0].astype(jnp.float32) ** 2)
+
+    ws = jnp.full((3, 32, 32), 0.05, jnp.bfloat16)
+    x = jnp.ones((1024, 32), jnp.bfloat16)        # 4 slices of 256 rows
+    step = jax.jit(hg.grad(loss))
+    step(ws, x)
+    want = ["sliced: 4 slices of 256 batch rows"]
+    assert hg.slice_report(hg.grad(loss), ws, x) == want
+    assert hg.slice_report(hg.grad(loss), ws, x) == want
+    assert hg.slice_report(loss, ws, x) == want
+    with caplog.at_level("WARNING"), jax.log_compiles():
+        step(ws, x)
+    assert not [r for r in caplog.records if "ompil" in r.getMessage()], caplog.text
+
+
+def _float64_grads(x, w, ct):
+    """d(sum(ct * tanh(x @ w)))/d(x, w) in float64 (numpy)."""
+    x, w, ct = (np.asarray(a, np.float64) for a in (x, w, ct))
+    d = ct * (1 - np.tanh(x @ w) ** 2)
+    return d @ w.T, x.T @ d
+
+
+def test_encode_argnums_saves_the_parameters_exact(maybe_jit):
+    """With ``encode_argnums=0`` only the activation is encoded: the weight's gradient is the
+    float64 one at the decoded activation and the exact weight, to float32 rounding (2**-20
+    of its norm: 64-term dot products of float32 values, eps 2**-24 each). Every float input
+    encoded (the default) recomputes with the int8-rounded weight, which the same comparison
+    rejects (int8's relative step, about 2**-8, is far above that tolerance)."""
+    from hifigrad._src.codecs import get_codec
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(32, 32)) * 0.2, jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    codec = get_codec("int8")
+    x_dec = codec.decode(codec.encode(x), jnp.float32)
+    want_x, want_w = _float64_grads(x_dec, w, ct)
+
+    def grads(**kw):
+        f = hg.checkpoint(lambda x, w: jnp.tanh(x @ w), "int8", **kw)
+        with highest_precision():
+            return maybe_jit(jax.grad(lambda x, w: jnp.sum(ct * f(x, w)), (0, 1)))(x, w)
+
+    def err(a, b):
+        return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+    gx, gw = grads(encode_argnums=0)
+    assert err(gw, want_w) <= 2.0 ** -20 and err(gx, want_x) <= 2.0 ** -20
+    assert hg.checkpoint(lambda x, w: x @ w, "int8", encode_argnums=(-2,))(x, w).shape == (64, 32)
+    _, gw_all = grads()
+    assert err(gw_all, want_w) > 2.0 ** -12
+
+
+def test_encode_argnums_under_a_scan_slices():
+    """Under `lax.scan` with the per-step weights as arguments, ``encode_argnums=0`` still
+    slices the backward, and its gradient is the unsliced one's (float32 summation order:
+    2**-20 of the norm)."""
+    def loss(ws, x, **kw):
+        ck = hg.checkpoint(lambda c, w: (jnp.tanh(c @ w), None), "int8", encode_argnums=0,
+                           **kw)
+        return jnp.mean(lax.scan(ck, x, ws)[0].astype(jnp.float32) ** 2)
+
+    rng = np.random.default_rng(1)
+    ws = jnp.asarray(rng.normal(size=(3, 64, 64)) * 0.1, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(1024, 64)), jnp.bfloat16)
+    assert hg.slice_report(hg.grad(loss), ws, x) == ["sliced: 4 slices of 256 batch rows"]
+    g = jax.jit(hg.grad(loss))(ws, x)
+    want = jax.jit(hg.grad(lambda ws, x: loss(ws, x, backward_slices=1)))(ws, x)
+    assert g.dtype == jnp.float32
+    assert np.linalg.norm(g - want) <= 2.0 ** -20 * np.linalg.norm(want)
+
+
+def test_encode_argnums_bad_input():
+    with pytest.raises(TypeError, match="encode_argnums takes an int"):
+        hg.checkpoint(lambda x: x, "int8", encode_argnums="x")
+    with pytest.raises(TypeError, match="encode_argnums takes an int"):
+        hg.checkpoint(lambda x: x, "int8", encode_argnums=True)
+    f = hg.checkpoint(lambda x, w: x @ w, "int8", encode_argnums=2)
+    with pytest.raises(ValueError, match="called with 2 positional"):
+        f(jnp.ones((4, 4)), jnp.ones((4, 4)))

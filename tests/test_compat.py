@@ -290,3 +290,21 @@ def test_transposable_as_is_only_without_linear_control_flow():
         return [s * t]
 
     assert compat.transposable_as_is(jax.make_jaxpr(known_loop)(r, t), 1)
+
+
+def test_clear_tracing_caches_retraces_a_scan_body():
+    """A scan body's trace is cached by function (its Python does not run again); after
+    `clear_tracing_caches` it does."""
+    calls = []
+
+    def body(c, x):
+        calls.append(1)
+        return c + x, None
+
+    xs = jnp.ones((3, 2))
+    jax.eval_shape(lambda xs: lax.scan(body, jnp.zeros(2), xs), xs)
+    jax.eval_shape(lambda xs: lax.scan(body, jnp.zeros(2), xs), xs)
+    assert len(calls) == 1
+    compat.clear_tracing_caches()
+    jax.eval_shape(lambda xs: lax.scan(body, jnp.zeros(2), xs), xs)
+    assert len(calls) == 2

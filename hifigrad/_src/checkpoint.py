@@ -269,6 +269,11 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
     reduction over the batch, a custom rule whose backward mixes rows, a value made at the
     batch's size that is not made row by row, ...
 
+    A checkpoint traced before (a `lax.scan` body: JAX caches its trace) is traced again:
+    JAX's staging caches are emptied first. A jitted step that JAX dispatches from C++ keeps
+    its compiled program; one it dispatches from Python (a step with host callbacks or
+    ordered effects, as the slice check's first run has) compiles again on its next call.
+
     Args:
       fun: what to trace, usually the gradient function (``jax.grad(loss)``); the
         decision is made when a checkpoint is called, so ``loss`` itself tells the same.
@@ -286,6 +291,9 @@ def slice_report(fun: Callable, *args, **kwargs) -> list[str]:
       ['the forward mixes rows of the batch: reduce_sum at ...: reduces over the batch axis']
     """
     log: list = []
+    # A checkpoint traced before (a scan body: JAX caches its trace by function) would not
+    # run its Python again, and would report nothing: traced anew.
+    compat.clear_tracing_caches()
     _SLICE_LOGS.append(log)
     try:
         jax.eval_shape(functools.partial(fun, **kwargs), *args)
@@ -975,7 +983,8 @@ def _flat_closure(fun: Callable, args: tuple, in_tree):
 
 def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
                tangent_dtype=None, save: str = "inputs",
-               backward_slices: int | None = None) -> Callable:
+               backward_slices: int | None = None,
+               encode_argnums: int | Sequence[int] | None = None) -> Callable:
     """Like `jax.checkpoint`, but what it saves for the backward is encoded with `codec`.
 
     Args:
@@ -1002,15 +1011,28 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
         backward runs at once; a slice keeps at least 256 rows per matmul. ``None``
         (default): 4 when the backward's cotangents are wider than the encoded inputs (a
         bf16 block's float32 backward), else 1; ``1``: never slice.
+      encode_argnums: which positional arguments hold the activations to encode (an int or
+        a sequence of ints; negative ones count from the end); the float leaves of the
+        others are saved as they are, like values `fun` closes over. ``None`` (default):
+        every float array input is encoded, parameters passed as arguments too, and the
+        backward then recomputes with their decoded (quantized) values. Give it when
+        parameters are arguments: in ``lax.scan(hg.checkpoint(block, "int8",
+        encode_argnums=0), x, params)`` each step's carry is encoded and its parameters
+        are saved exact. A `lax.scan` stacks what each step saves, so there the saved
+        parameters are a second copy of them (in their dtype; encoded, in the codec's);
+        `scan` and `compress_checkpoints` save no copy (a scan's per-step inputs stay
+        alive anyway) and are the better choice for a scanned stack.
 
     Returns:
       A function with `fun`'s signature. Its forward is `fun` unchanged.
 
     Raises:
       ValueError: an unknown codec name or ``save`` mode; ``tangent_dtype`` conflicts with
-        ``policy.tangent_dtype``.
-      TypeError: ``codec`` is neither a name nor a codec; (when called) an input is already an
-        encoded value, or a delayed-scaling codec is given (it needs `scan`'s ``codec_state``).
+        ``policy.tangent_dtype``; (when called) an ``encode_argnums`` entry out of range of
+        the arguments.
+      TypeError: ``codec`` is neither a name nor a codec; ``encode_argnums`` is not ints;
+        (when called) an input is already an encoded value, or a delayed-scaling codec is
+        given (it needs `scan`'s ``codec_state``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, hifigrad as hg
@@ -1024,6 +1046,7 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
     codec = get_codec(codec)
     policy = resolve_policy(policy, tangent_dtype)
     save = check_save(save)
+    argnums = _check_argnums(encode_argnums)
 
     @functools.wraps(fun)
     def wrapped(*args):
@@ -1031,11 +1054,42 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
             _check_encodable(x)
         flat, in_tree = tree_flatten(args)
         flat = [jnp.asarray(x) for x in flat]
-        encode = [is_float_array(x) for x in flat]
+        chosen = _chosen_args(argnums, len(args))
+        # the argument each leaf of `flat` comes from (tuples flatten argument by argument)
+        owner = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+        encode = [is_float_array(x) and (chosen is None or i in chosen)
+                  for x, i in zip(flat, owner)]
         return checkpoint_call(fun, flat, in_tree, encode, codec, policy, save,
                                backward_slices=backward_slices)
 
     return wrapped
+
+
+def _check_argnums(argnums) -> tuple[int, ...] | None:
+    """`checkpoint`'s ``encode_argnums`` as a tuple of ints (None: every argument)."""
+    if argnums is None:
+        return None
+    items = (argnums,) if isinstance(argnums, (int, np.integer)) else argnums
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (argnums,)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+        raise TypeError("hifigrad.checkpoint: encode_argnums takes an int or a sequence of "
+                        f"ints (positions of the arguments to encode), got {argnums!r}.")
+    return tuple(int(i) for i in items)
+
+
+def _chosen_args(argnums, n: int) -> frozenset | None:
+    """The argument positions `argnums` names among `n` arguments (None: all)."""
+    if argnums is None:
+        return None
+    bad = [i for i in argnums if not -n <= i < n]
+    if bad:
+        raise ValueError(f"hifigrad.checkpoint: encode_argnums={argnums} names argument(s) "
+                         f"{bad}, but the function was called with {n} positional "
+                         f"argument(s).")
+    return frozenset(i % n for i in argnums)
 
 
 def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None,

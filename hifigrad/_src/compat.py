@@ -136,6 +136,22 @@ def assumption(what: str):
         raise JaxCompatibilityError(_compat_message(what, e)) from e
 
 
+def clear_tracing_caches() -> None:
+    """Empties JAX's staging caches (traced jaxprs, lowered programs: `jax._src.util`'s
+    caches), so that a function traced before is traced again and its Python runs. A scan body
+    (`lax.scan`'s traced body is cached by function) would otherwise be reused without
+    calling it. The compiled executables of jitted functions stay (their C++ caches are not
+    touched): their next call with the same arguments does not compile again. Where the
+    installed JAX has no such function, `jax.clear_caches()` (which also drops those)."""
+    try:
+        from jax._src import util as _util
+
+        clear = _util.clear_all_caches
+    except (ImportError, AttributeError):
+        clear = jax.clear_caches
+    clear()
+
+
 def check_jax_version(warn: bool = True) -> bool:
     """Whether the installed JAX lies inside the tested range; warns once if not."""
     lo, hi = _parse_version(TESTED_JAX[0]), _parse_version(TESTED_JAX[-1])
