@@ -186,6 +186,83 @@ def train(model, config, seed, steps, corpus, val_batch, start=None, lr=None, wd
             "train_s": time.perf_counter() - t0, "params": params}
 
 
+# ------------------------------------------------------------------ the update's cost
+
+UPDATE_SHAPES = [(1024, 4096)] * 4 + [(4096, 1024)] * 4 + [(4096,)] * 8  # ~33.6M parameters
+
+
+def update_cost(argv, repeats: int = 7) -> dict:
+    """The optimizer update alone (``tx.update`` and ``optax.apply_updates`` on bf16
+    parameters and float32 gradients, jitted, parameters and state donated as a training step
+    does): time of each configuration as a ratio to ``f32-master``'s, measured side by side
+    (each configuration's step timed in turn, ``repeats`` rounds, the median of each), and its
+    compiled temp memory (bytes per parameter) from ``memory_analysis()``."""
+    rng = np.random.default_rng(0)
+    params = {f"p{i}": jnp.asarray(rng.normal(size=s) * 0.02, BF16)
+              for i, s in enumerate(UPDATE_SHAPES)}
+    grads = {k: jnp.asarray(rng.normal(size=v.shape) * 1e-3, jnp.float32)
+             for k, v in params.items()}
+    n = n_params(params)
+    steps, mem, times = {}, {}, {}
+    with jax.numpy_dtype_promotion("standard"):
+        for config, make in configs(1000).items():
+            tx = make()
+
+            def step(params, state, grads, tx=tx):
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            # naive bf16 gets what jax.grad gives a bf16 model: bf16 gradients
+            g = jax.tree.map(lambda a: a.astype(BF16), grads) if config == "naive-bf16" \
+                else grads
+            state = tx.init(params)
+            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, g).compile()
+            ma = compiled.memory_analysis()
+            mem[config] = ma.temp_size_in_bytes / n if ma else None
+            p, st = compiled(jax.tree.map(jnp.copy, params), state, g)   # warm
+            jax.block_until_ready(p)
+            steps[config] = [compiled, p, st, g]
+            times[config] = []
+        for _ in range(repeats):
+            for config, entry in steps.items():
+                compiled, p, st, g = entry
+                t0 = time.perf_counter()
+                p, st = compiled(p, st, g)
+                jax.block_until_ready((p, st))
+                times[config].append(time.perf_counter() - t0)
+                entry[1], entry[2] = p, st
+    base = float(np.median(times["f32-master"]))
+    rows = {c: {"time_ratio": float(np.median(t)) / base, "temp_bytes_per_param": mem[c]}
+            for c, t in times.items()}
+    for c, r in rows.items():
+        print(f"update {c:16s} {r['time_ratio']:.2f}x time, temp "
+              f"{r['temp_bytes_per_param']:.2f} B/param", flush=True)
+    return {"env": env_info(sys.argv if argv is None else argv), "n_params": n,
+            "repeats": repeats, "rows": rows}
+
+
+def write_update_cost(result, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, "optim_update_cpu")
+    write_json(base + ".json", result)
+    lines = ["# The optimizer update's cost: hifigrad.optim's configurations (CPU)", "",
+             "Written by `PYTHONPATH=. python benchmarks/optim_bench.py --update-cost`: the "
+             f"update alone on {result['n_params'] / 1e6:.1f}M bf16 parameters with float32 "
+             "gradients (`tx.update` + `optax.apply_updates`, jitted, parameters and state "
+             "donated). *time*: median of each configuration's step over "
+             f"{result['repeats']} interleaved rounds, as a ratio to f32-master's (CPU ratios: "
+             "the cores are shared, read them to about 10%); *temp*: the compiled update's "
+             "temp allocation per parameter (`memory_analysis()`), on top of the state.", "",
+             md_table(["configuration", "time / f32-master's", "temp B/param"],
+                      [[c, f"{r['time_ratio']:.2f}x", f"{r['temp_bytes_per_param']:.2f}"]
+                       for c, r in result["rows"].items()]), ""]
+    env = result["env"]
+    lines.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", base + ".md")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=600)
@@ -193,7 +270,12 @@ def main(argv=None):
     ap.add_argument("--late-steps", type=int, default=300)
     ap.add_argument("--models", default="demo,flax")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--update-cost", action="store_true",
+                    help="measure the optimizer update alone (time ratios, temp memory)")
     args = ap.parse_args(argv)
+    if args.update_cost:
+        write_update_cost(update_cost(argv), args.out)
+        return
     corpus = D.load_corpus(2_000_000)
     val_batch = jnp.asarray(D.sample_batches(corpus.val, 1, 64, SEQ, 12345)[0])
     result = {"env": env_info(sys.argv if argv is None else argv), "steps": args.steps,

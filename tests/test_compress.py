@@ -790,14 +790,16 @@ def test_maxtext_causes_as_small_programs(maybe_jit):
 def test_the_three_entry_points_share_one_signature_shape():
     """`checkpoint` and `compress_checkpoints` take ``(fun, codec, *, policy, tangent_dtype,
     save, backward_slices)``; `scan` keeps `lax.scan`'s positions and takes the same options
-    by keyword, the codec too."""
+    by keyword, the codec too. `checkpoint` alone adds ``encode_argnums`` (which arguments
+    are activations: `scan` encodes its carry, `compress_checkpoints` finds them itself)."""
     import inspect
 
     options = ["policy", "tangent_dtype", "save", "backward_slices"]
-    for fn in (hg.checkpoint, hg.compress_checkpoints):
+    for fn, own in ((hg.checkpoint, ["encode_argnums"]), (hg.compress_checkpoints, [])):
         params = inspect.signature(fn).parameters
         assert list(params)[:2] == ["fun", "codec"]
-        assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == options
+        keyword = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY]
+        assert keyword == options + own
     params = inspect.signature(hg.scan).parameters
     keyword = [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY]
     assert keyword[0] == "codec" and all(o in keyword for o in options)
