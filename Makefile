@@ -2,8 +2,8 @@
 #   make demo   -- sets up a virtual environment with hifigrad[demo] when missing (only what the
 #                  demo imports: flax, optax, rich, matplotlib), then runs the main demo
 #   make test   -- sets up a virtual environment with hifigrad[test] when missing, then runs the
-#                  whole default test suite (about 17 minutes on 2 cores, measured in a fresh
-#                  clone with Python 3.11 and JAX 0.10.2: 1951 tests)
+#                  whole default test suite (2272 tests, about 28 minutes on 2 cores with
+#                  Python 3.11 and JAX 0.10.2; see docs/getting-started.md)
 #   make test-quick -- the same venv, a quick subset (QUICK below): a few minutes
 # PYTHON selects the interpreter; each gets its own venvs.
 # JAX selects a tested JAX release (one of ci/jax-*.txt, e.g. JAX=0.11.2): the venv then gets
@@ -27,8 +27,8 @@ SUBSET ?= tests/test_api.py tests/test_rules.py tests/test_checkpoint.py tests/t
 
 # The quick check a newcomer runs first (`make test-quick`): the public API, the checkpoints and
 # the drop-in compression, the policies, dtypes and the interpreter, the README's quickstart,
-# each case jitted only: 225 tests in 2 min 3 s wall on 2 cores (3 min 14 s while other jobs
-# shared them), 2.4 GB peak RSS (JAX 0.10.2, Python 3.11; see docs/getting-started.md).
+# each case jitted only: 245 tests in 3 min 30 s on 2 cores in a fresh clone, 1.7 GB peak RSS
+# (JAX 0.10.2, Python 3.11; see docs/getting-started.md).
 QUICK_K ?= not eager
 QUICK ?= tests/test_api.py tests/test_checkpoint.py tests/test_compress.py tests/test_policy.py \
 	tests/test_dtypes.py tests/test_interpreter.py tests/test_readme.py
