@@ -219,7 +219,9 @@ def update_cost(argv, repeats: int = 7) -> dict:
             compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, g).compile()
             ma = compiled.memory_analysis()
             mem[config] = ma.temp_size_in_bytes / n if ma else None
-            p, st = compiled(jax.tree.map(jnp.copy, params), state, g)   # warm
+            # donated: every leaf its own buffer (init may share one zero among leaves)
+            p, st = compiled(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state),
+                             g)   # warm
             jax.block_until_ready(p)
             steps[config] = [compiled, p, st, g]
             times[config] = []
