@@ -474,11 +474,33 @@ class StochasticRoundingState(NamedTuple):
     inner: Any
 
 
+def _hash32(x):
+    """An integer hash of uint32 values (Wellons' "lowbias32"): exact integer arithmetic, so
+    the same bits on every backend."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
 def _leaf_bits(seed, count, index: int, shape):
-    """uint16 random bits for leaf ``index`` at step ``count``: JAX's threefry from
-    ``seed``, the same on every backend."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), index)
-    return jax.random.bits(key, shape, jnp.uint16)
+    """uint16 random bits for leaf ``index`` at step ``count``: a counter-based hash of each
+    element's position in the leaf, keyed by ``seed``, the step and the leaf (two rounds of
+    `_hash32`). Exact integer arithmetic: the same bits on every backend and under any
+    sharding (the position is the element's in the whole array). Elementwise, it fuses with
+    the rounding that uses it; threefry's counters were materialized for every leaf at once
+    (4 bytes per parameter per draw) and cost most of the update's time."""
+    step = jnp.asarray(count).astype(jnp.uint32)
+    key = _hash32(_hash32(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9))
+                  + step * jnp.uint32(0x85EBCA6B) + jnp.uint32((index * 0xC2B2AE35) & 0xFFFFFFFF))
+    pos = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        pos = pos + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= shape[d]
+    bits = _hash32(_hash32(pos ^ key) + key)
+    return (bits >> 16).astype(jnp.uint16)
 
 
 def stochastic_rounding(tx, seed: int = 0):
@@ -486,8 +508,8 @@ def stochastic_rounding(tx, seed: int = 0):
     stochastically: up with probability equal to how far the exact value lies towards the
     next bf16, so that an update far below half an ulp moves the parameter in expectation
     (torchao's and llm.c's bf16 training). No state beside the parameter but a step count;
-    the random bits are threefry's from ``seed``, the step and the leaf: the same on every
-    backend, and a run is reproducible.
+    the random bits are a counter-based hash of ``seed``, the step, the leaf and the element's
+    position: the same on every backend and sharding, and a run is reproducible.
 
     Args:
       tx: an ``optax.GradientTransformation``.
@@ -678,8 +700,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       b2: the second moment's decay rate.
       eps: added to the second moment's square root in the denominator.
       moments: ``"float32"``, ``"fp16"``, ``"bf16"`` or ``"8bit"``.
-      seed: the seed of the stochastic rounding's random bits (threefry: the same on every
-        backend).
+      seed: the seed of the stochastic rounding's random bits (a counter-based hash: the same
+        on every backend).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an `AdamState`.
@@ -726,6 +748,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         mss, nss = tree.flatten_up_to(state.mu_scale), tree.flatten_up_to(state.nu_scale)
         out, new_mu, new_nu, new_ms, new_ns = [], [], [], [], []
         for i, (g, m, v, ms, ns) in enumerate(zip(leaves, mus, nus, mss, nss)):
+            step = count
             g = jnp.asarray(g, jnp.float32)
             if moments in _BLOCKED:
                 decode = _BLOCKED[moments][1]
@@ -737,14 +760,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             if moments == "float32":
                 sm, sv, ms2, ns2 = m, v, ms, ns
             elif moments == "bf16":
-                sm = round_to_bf16(m, "stochastic", _leaf_bits(seed, 2 * count, i, shape))
-                sv = round_to_bf16(v, "stochastic", _leaf_bits(seed, 2 * count + 1, i, shape))
+                sm = round_to_bf16(m, "stochastic", _leaf_bits(seed, 2 * step, i, shape))
+                sv = round_to_bf16(v, "stochastic", _leaf_bits(seed, 2 * step + 1, i, shape))
                 ms2, ns2 = ms, ns
                 m, v = sm.astype(jnp.float32), sv.astype(jnp.float32)
             else:
                 encode, decode = _BLOCKED[moments]
-                sm, ms2 = encode(m, _leaf_bits(seed, 2 * count, i, shape))
-                sv, ns2 = encode(jnp.sqrt(v), _leaf_bits(seed, 2 * count + 1, i, shape))
+                sm, ms2 = encode(m, _leaf_bits(seed, 2 * step, i, shape))
+                sv, ns2 = encode(jnp.sqrt(v), _leaf_bits(seed, 2 * step + 1, i, shape))
                 m = decode(sm, ms2)
                 # exact v_t >= (1 - b2) g_t**2: an element whose code rounded to 0 in its
                 # block still divides by its own gradient's size

@@ -427,3 +427,26 @@ def test_state_bytes_per_parameter():
         pytest.approx(8, abs=0.01)
     assert per_param(hg.optim.kahan(hg.optim.adamw(1e-3, moments="fp16"))) == \
         pytest.approx(8.06, abs=0.01)
+
+
+def test_random_bits_are_uniform_and_keyed():
+    """The stochastic roundings' bits (a counter-based hash): each of the 16 bits is set in
+    half of 2**20 draws (to 5 standard errors: 5 * 0.5 / 2**10), their mean is the uniform's
+    (2**15 - 0.5, to 5 standard errors of 2**16 / sqrt(12 * 2**20)), neighbouring elements are
+    uncorrelated (|r| < 5 / 2**10), and another seed, step or leaf gives other bits; the same
+    arguments give the same bits, jitted or not."""
+    from hifigrad.optim import _leaf_bits
+
+    shape = (1024, 1024)
+    b = np.asarray(_leaf_bits(0, 3, 1, shape)).astype(np.int64)
+    for k in range(16):
+        assert abs(((b >> k) & 1).mean() - 0.5) < 5 * 0.5 / 2 ** 10, k
+    assert abs(b.mean() - (2 ** 15 - 0.5)) < 5 * 2 ** 16 / np.sqrt(12 * 2 ** 20)
+    flat = b.ravel().astype(np.float64)
+    assert abs(np.corrcoef(flat[:-1], flat[1:])[0, 1]) < 5 / 2 ** 10
+    assert abs(np.corrcoef(b[:-1].ravel(), b[1:].ravel())[0, 1]) < 5 / 2 ** 10
+    for other in (_leaf_bits(1, 3, 1, shape), _leaf_bits(0, 4, 1, shape),
+                  _leaf_bits(0, 3, 2, shape)):
+        assert np.mean(np.asarray(other) == b) < 0.01
+    again = jax.jit(lambda c: _leaf_bits(0, c, 1, shape))(jnp.int32(3))
+    np.testing.assert_array_equal(np.asarray(again), b)
