@@ -374,6 +374,22 @@ def write(result, out_dir):
     print("wrote", base + ".md")
 
 
+def _plot_deltas(ax, curves, ref, title, k: int = 25):
+    """Each configuration's loss curve minus `ref`, smoothed over `k` steps: ``curves`` maps a
+    configuration to (its losses, its legend label)."""
+    ref = np.asarray(ref)
+    for config, (losses, label) in curves.items():
+        y = np.convolve(np.asarray(losses) - ref, np.ones(k) / k, mode="valid")
+        ax.plot(np.arange(len(y)) + k, y, label=label,
+                linewidth=2 if config in ("f32-master", "naive-bf16") else 1.2,
+                linestyle="--" if config == "naive-bf16" else "-")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("Δ loss (nats per byte, smoothed)")
+    ax.legend(fontsize=7)
+
+
 def plot(result, path):
     import matplotlib
 
@@ -387,32 +403,15 @@ def plot(result, path):
                              squeeze=False)
     for ax, model in zip(axes[rows - 1], models if late else []):
         runs = late[model]
-        ref = np.asarray(runs["f32-master"]["losses"])
-        k = 25
-        for config, r in runs.items():
-            y = np.convolve(np.asarray(r["losses"]) - ref, np.ones(k) / k, mode="valid")
-            ax.plot(np.arange(len(y)) + k, y, label=config,
-                    linewidth=2 if config in ("f32-master", "naive-bf16") else 1.2,
-                    linestyle="--" if config == "naive-bf16" else "-")
-        ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_title(f"{model}, late phase (lr {result['late_lr']:g}): loss minus f32-master's")
-        ax.set_xlabel("step")
-        ax.set_ylabel("Δ loss (nats per byte, smoothed)")
-        ax.legend(fontsize=7)
+        _plot_deltas(ax, {c: (r["losses"], c) for c, r in runs.items()},
+                     runs["f32-master"]["losses"],
+                     f"{model}, late phase (lr {result['late_lr']:g}): loss minus f32-master's")
     for ax, model in zip(axes[0], models):
         runs = result["models"][model]
-        ref = np.mean([r["losses"] for r in runs["f32-master"]], axis=0)
-        k = 25
-        for config, rs in runs.items():
-            y = np.convolve(np.asarray(rs[0]["losses"]) - ref, np.ones(k) / k, mode="valid")
-            ax.plot(np.arange(len(y)) + k, y, label=f"{config} ({rs[0]['bytes_per_param']:.1f} B)",
-                    linewidth=2 if config in ("f32-master", "naive-bf16") else 1.2,
-                    linestyle="--" if config == "naive-bf16" else "-")
-        ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_title(f"{model}: training loss minus float32 master's (mean of seeds)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("Δ loss (nats per byte, smoothed)")
-        ax.legend(fontsize=7)
+        _plot_deltas(ax, {c: (rs[0]["losses"], f"{c} ({rs[0]['bytes_per_param']:.1f} B)")
+                          for c, rs in runs.items()},
+                     np.mean([r["losses"] for r in runs["f32-master"]], axis=0),
+                     f"{model}: training loss minus float32 master's (mean of seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -748,7 +748,6 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         mss, nss = tree.flatten_up_to(state.mu_scale), tree.flatten_up_to(state.nu_scale)
         out, new_mu, new_nu, new_ms, new_ns = [], [], [], [], []
         for i, (g, m, v, ms, ns) in enumerate(zip(leaves, mus, nus, mss, nss)):
-            step = count
             g = jnp.asarray(g, jnp.float32)
             if moments in _BLOCKED:
                 decode = _BLOCKED[moments][1]
@@ -760,14 +759,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             if moments == "float32":
                 sm, sv, ms2, ns2 = m, v, ms, ns
             elif moments == "bf16":
-                sm = round_to_bf16(m, "stochastic", _leaf_bits(seed, 2 * step, i, shape))
-                sv = round_to_bf16(v, "stochastic", _leaf_bits(seed, 2 * step + 1, i, shape))
+                sm = round_to_bf16(m, "stochastic", _leaf_bits(seed, 2 * count, i, shape))
+                sv = round_to_bf16(v, "stochastic", _leaf_bits(seed, 2 * count + 1, i, shape))
                 ms2, ns2 = ms, ns
                 m, v = sm.astype(jnp.float32), sv.astype(jnp.float32)
             else:
                 encode, decode = _BLOCKED[moments]
-                sm, ms2 = encode(m, _leaf_bits(seed, 2 * step, i, shape))
-                sv, ns2 = encode(jnp.sqrt(v), _leaf_bits(seed, 2 * step + 1, i, shape))
+                sm, ms2 = encode(m, _leaf_bits(seed, 2 * count, i, shape))
+                sv, ns2 = encode(jnp.sqrt(v), _leaf_bits(seed, 2 * count + 1, i, shape))
                 m = decode(sm, ms2)
                 # exact v_t >= (1 - b2) g_t**2: an element whose code rounded to 0 in its
                 # block still divides by its own gradient's size
