@@ -20,6 +20,7 @@ loop over slices run eagerly) equals `jax.vjp` of the block at the full batch, n
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -236,7 +237,55 @@ MIXING = {
     "table_scatter_b": lambda x, p: x + jnp.zeros((V, D)).at[p["pos"]].add(x)[:B, None, :],
     "gather_b_by_pos": lambda x, p: x + x[p["pos"][:, 0] % B],
     "max_b": lambda x, p: x - x.max(0, keepdims=True),
+    "times_min_b": lambda x, p: x * jnp.min(x, axis=0, keepdims=True),
 }
+
+# The chooser family (issue 45: a wrong gradient on jax 0.12 that only compiled programs show):
+# blocks built slot by slot as real ones are, a projection, a polynomial, a saturating
+# activation, a per-position scale, a table gathered by batch-shaped indices, then a reduction
+# whose JVP compares its operand with its result (a min or max kept in the gradient, an
+# argmin-style pick). Each slot is one of its alternatives, None skipping it; every one is
+# row-wise except the chooser slot's `_b` ones (across the batch).
+SLOTS = (
+    {"matmul": lambda x, p: x @ p["w"], None: None},
+    {"cube_tenth": lambda x, p: x ** 3 * 0.1, "tanh": lambda x, p: jnp.tanh(x),
+     "gelu": lambda x, p: jax.nn.gelu(x), None: None},
+    {"gauss": lambda x, p: jnp.exp(-x * x), "exp": lambda x, p: jnp.exp(x),
+     "logistic": lambda x, p: jax.nn.sigmoid(4.0 * x), None: None},
+    {"scale_t": lambda x, p: x * jnp.sin(jnp.arange(x.shape[1], dtype=x.dtype)).reshape(1, -1, 1),
+     "scale_v": lambda x, p: x * p["v"][None, None, :], None: None},
+    {"table_at_get": lambda x, p: x + p["table"].at[
+        jnp.broadcast_to(jnp.arange(x.shape[1]) % V, x.shape[:2])].get(),
+     "table_gather": lambda x, p: x + p["table"][p["pos"]], None: None},
+    {"times_min_t": lambda x, p: jnp.swapaxes(
+        jnp.swapaxes(x, 1, 2) * jnp.min(jnp.swapaxes(x, 1, 2), axis=1, keepdims=True), 1, 2),
+     "times_max_d": lambda x, p: x * jnp.max(x, axis=-1, keepdims=True),
+     "plus_max_t": lambda x, p: x + jnp.max(x, axis=1, keepdims=True),
+     "minus_max_d": lambda x, p: x - jnp.max(x, axis=-1, keepdims=True),
+     "argmin_pick_d": lambda x, p: x + jnp.take_along_axis(
+         x, jnp.argmin(x, axis=-1, keepdims=True), axis=-1),
+     "times_min_b": lambda x, p: x * jnp.min(x, axis=0, keepdims=True),
+     "minus_max_b": lambda x, p: x - jnp.max(x, axis=0, keepdims=True)},
+)
+
+
+def chooser_block(choice: Sequence[str | None]):
+    """The block of the chooser family with one alternative per slot (`SLOTS`)."""
+    fns = [slot[c] for slot, c in zip(SLOTS, choice) if c is not None]
+
+    def block(h, w, v, table_, pos):
+        p = {"w": w, "v": v, "table": table_, "pos": pos}
+        x = h
+        for f in fns:
+            x = f(x, p)
+        return (x,)
+
+    return block
+
+
+def draw_chooser_block(rng) -> list[str | None]:
+    """One alternative per slot, drawn uniformly (the chooser slot is never skipped)."""
+    return [list(slot)[int(rng.integers(len(slot)))] for slot in SLOTS]
 
 # Output layouts: (name, fn(x, p) -> outputs, row-wise).
 LAYOUTS = {
@@ -275,13 +324,16 @@ def is_rowwise(ops, layout) -> bool:
     return all(o in ROWWISE for o in ops) and LAYOUTS[layout][1]
 
 
-def args(seed: int):
+def args(seed: int, shape: tuple[int, int, int] = (B, T, D)):
+    """A block's arguments: ``h`` of `shape` ``(b, t, d)``, ``w [d, d]``, ``v [d]``,
+    ``table [V, d]``, ``pos [b, t]`` (the operations of `CHOOSER_FAMILY` take any shape)."""
+    b, t, d = shape
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32),
-            jnp.asarray(rng.normal(size=(D, D)) / np.sqrt(D), jnp.float32),
-            jnp.asarray(rng.normal(size=(D,)), jnp.float32),
-            jnp.asarray(rng.normal(size=(V, D)), jnp.float32),
-            jnp.asarray(rng.integers(0, V, size=(B, T)), jnp.int32))
+    return (jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32),
+            jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d), jnp.float32),
+            jnp.asarray(rng.normal(size=(d,)), jnp.float32),
+            jnp.asarray(rng.normal(size=(V, d)), jnp.float32),
+            jnp.asarray(rng.integers(0, V, size=(b, t)), jnp.int32))
 
 
 def _row(a, i):
@@ -344,3 +396,49 @@ def check(block, arrays, k: int, seed: int = 0) -> str:
 @functools.cache
 def op_names():
     return sorted(ROWWISE), sorted(MIXING), sorted(LAYOUTS)
+
+
+def check_compiled(block, arrays, k: int, seed: int = 0) -> str:
+    """The compiled property: ``jax.jit(jax.grad)`` of a loss through
+    ``hg.checkpoint(block, "none", backward_slices=k)``, compiled by XLA as a user's step is,
+    equals the gradient of the same loss through the block itself (`RTOL` per input,
+    norm-wise, as `check`). What XLA fuses (a recomputed forward, a producer duplicated into a
+    chooser's reduction and into its JVP's comparison) is in play here, and not in `check`'s
+    eager loop. The reference is ``jax.jit(jax.grad)`` of the block; where the two differ, the
+    block's gradient computed eagerly, one operation at a time, decides: that fusion can break
+    the jitted reference itself (jax 0.12 on CPU, `primitives.pin_p`), and then hifigrad must
+    equal the eager one. Returns `hg.slice_report`'s line, with " (jax.grad wrong)" appended
+    when the jitted reference was the one off."""
+    import hifigrad as hg
+
+    rng = np.random.default_rng(seed + 1)
+    outs = jax.eval_shape(block, *arrays)
+    cts = [jnp.asarray(rng.normal(size=o.shape), o.dtype)
+           if jnp.issubdtype(o.dtype, jnp.inexact) else None for o in outs]
+
+    def loss(f):
+        def fn(*a):
+            return sum(jnp.sum(o * c) for o, c in zip(f(*a), cts) if c is not None)
+        return fn
+
+    argnums = tuple(i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.inexact))
+    ct_norm = float(np.sqrt(sum(np.linalg.norm(np.asarray(c, np.float64)) ** 2
+                                for c in cts if c is not None)))
+
+    def errors(got, want):
+        want = [np.asarray(w, np.float64) for w in want]
+        largest = max(float(np.linalg.norm(w)) for w in want)
+        return {i: float(np.linalg.norm(np.asarray(g, np.float64) - w)
+                         / max(np.linalg.norm(w), largest, ct_norm, 1e-30))
+                for i, g, w in zip(argnums, got, want)}
+
+    ck = hg.checkpoint(block, "none", backward_slices=k)
+    got = jax.jit(jax.grad(loss(ck), argnums))(*arrays)
+    errs = errors(got, jax.jit(jax.grad(loss(block), argnums))(*arrays))
+    note = ""
+    if max(errs.values()) > RTOL:
+        errs = errors(got, jax.grad(loss(block), argnums)(*arrays))
+        note = " (jax.grad wrong)"
+    for i, err in errs.items():
+        assert err <= RTOL, f"input {i}: compiled gradient off by {err:.3g} (k={k})"
+    return hg.slice_report(loss(ck), *arrays)[0] + note

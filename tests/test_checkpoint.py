@@ -933,3 +933,85 @@ def test_encode_argnums_bad_input():
     f = hg.checkpoint(lambda x, w: x @ w, "int8", encode_argnums=2)
     with pytest.raises(ValueError, match="called with 2 positional"):
         f(jnp.ones((4, 4)), jnp.ones((4, 4)))
+
+
+# ------------------------------------------------------------------ choosers under XLA's fusion
+
+def _chooser_block(h, w):
+    """Issue 45's block: a saturating activation, a per-position scale, a table gathered by
+    batch-shaped indices, and a min over an axis kept in the gradient."""
+    B, T, D = h.shape
+    x2 = (h @ w["W0"]) ** 3 * 0.1
+    x4 = jnp.exp(-x2 * x2) * w["p1"].reshape(1, -1, 1)
+    x5 = x4 + w["tab2"].at[jnp.broadcast_to(jnp.arange(T) % 32, (B, T))].get()
+    x6 = jnp.swapaxes(x5, 1, 2)
+    return jnp.swapaxes(x6 * jnp.min(x6, axis=1, keepdims=True), 1, 2)
+
+
+def _chooser_args():
+    k = jax.random.split(jax.random.key(0), 5)
+    h = jax.random.normal(k[0], (16, 128, 4))
+    w = {"W0": jax.random.normal(k[1], (4, 4)), "p1": jax.random.normal(k[2], (128,)),
+         "tab2": jax.random.normal(k[3], (32, 4))}
+    c = jnp.sin(jnp.arange(16 * 128 * 4.0)).reshape(16, 128, 4)
+    return h, w, c
+
+
+@pytest.mark.parametrize("entry", ["checkpoint-1", "checkpoint-4", "scan", "compress"])
+def test_chooser_gradient_is_right_whatever_xla_fuses(entry, maybe_jit):
+    """A min kept in the gradient: its JVP compares the operand with the minimum, and XLA:CPU
+    (jax 0.12) computed the operand bitwise differently in the two fusions it duplicated it
+    into once the checkpoint's backward reordered its matmuls: the comparison found no
+    minimum and the gradient was off by 46% (issue 45). hifigrad pins a differentiated
+    chooser's operand (`primitives.pin_p`), so every entry point equals the eager float64
+    gradient to float32 rounding, jitted and not, on every release."""
+    h, w, c = _chooser_args()
+
+    def loss(f):
+        return lambda h, w: jnp.sum(f(h, w) * c)
+
+    if entry.startswith("checkpoint"):
+        f = hg.checkpoint(_chooser_block, "none", backward_slices=int(entry[-1]))
+        got = maybe_jit(jax.grad(loss(f), (0, 1)))(h, w)
+    elif entry == "scan":
+        def scanned(h, w):
+            out, _ = hg.scan(lambda x, _: (_chooser_block(x, w), None), h, None, length=1,
+                             codec="none")
+            return jnp.sum(out * c)
+        got = maybe_jit(jax.grad(scanned, (0, 1)))(h, w)
+    else:
+        def remat_loss(h, w):
+            return jnp.sum(jax.checkpoint(_chooser_block)(h, w) * c)
+        got = maybe_jit(jax.grad(hg.compress_checkpoints(remat_loss, "none"), (0, 1)))(h, w)
+    with jax.enable_x64():
+        to64 = lambda t: jax.tree.map(lambda a: np.asarray(a, np.float64), t)  # noqa: E731
+        want = jax.grad(lambda h, w: jnp.sum(_chooser_block(h, w) * jnp.asarray(c, jnp.float64)),
+                        (0, 1))(*to64((h, w)))
+        want = [np.asarray(r) for r in jax.tree.leaves(want)]
+    for g, r in zip(jax.tree.leaves(got), want):
+        # float32 rounding of a few ops per element, relative to the leaf's norm
+        err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+        assert err < 1e-5, (entry, err)
+
+
+def test_only_differentiated_choosers_are_pinned():
+    """Under a trace, the operand of a `reduce_max`/`reduce_min` whose result is differentiated
+    is pinned (one `hifigrad_pin`); a max that only feeds `stop_gradient` (log_softmax's,
+    logsumexp's) is not, so a model's softmaxes keep XLA's fusion."""
+    x = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6)
+
+    def pins(f):
+        text = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(x))
+        hg_text = str(jax.make_jaxpr(hg.grad(lambda x: jnp.sum(f(x))))(x))
+        assert "hifigrad_pin" not in text  # plain JAX: untouched
+        return hg_text.count("hifigrad_pin")
+
+    assert pins(lambda x: x * jnp.max(x, axis=1, keepdims=True)) == 1
+    assert pins(lambda x: jnp.min(jnp.tanh(x), axis=0)) == 1
+    assert pins(lambda x: jax.nn.log_softmax(x) ** 2) == 0
+    assert pins(lambda x: jax.nn.logsumexp(x, axis=1)) == 0
+    assert pins(lambda x: jax.nn.softmax(x) * x) == 0
+    assert pins(lambda x: jnp.argmax(x, axis=1).astype(x.dtype) * x[:, 0]) == 0
+    # inside a scan and a jit: entered only because a chooser is inside
+    assert pins(lambda x: lax.scan(lambda c, r: (c + jnp.max(r * c), None), 1.0, x)[0]) == 1
+    assert pins(lambda x: jax.jit(lambda y: y * jnp.min(y))(x)) == 1

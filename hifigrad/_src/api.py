@@ -69,19 +69,24 @@ def _dtype_of(x):
     return np.dtype(jnp.result_type(x))
 
 
-def _coefficients_transform(fun, policy: Policy, has_aux: bool = False):
-    if policy.resolved_coefficients() == "forward":
-        return fun
-    from .coefficients import precise_coefficients
+def _forward_transform(fun, policy: Policy, has_aux: bool, traced: bool):
+    """What `fun` becomes before it is linearized: with ``coefficients='tangent'``, re-traced
+    with its elementwise ops' coefficients computed in the backward; under a trace (`traced`),
+    its differentiated choosers pinned (`coefficients.pinned_choosers`: there XLA compiles the
+    forward and the choosers' JVPs as one program)."""
+    from .coefficients import pinned_choosers, precise_coefficients
 
-    return precise_coefficients(fun, policy, has_aux, fallback=policy.coefficients == "auto")
+    if policy.resolved_coefficients() != "forward":
+        return precise_coefficients(fun, policy, has_aux, fallback=policy.coefficients == "auto")
+    return pinned_choosers(fun, policy, has_aux) if traced else fun
 
 
 def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool,
               table: RuleTable, site=None):
     """Linearizes `fun_flat(*diff_vals) -> list of outputs` and returns
     (outs, backward Partial, aux)."""
-    fun_flat = _coefficients_transform(fun_flat, policy, has_aux)
+    traced = any(isinstance(x, jax.core.Tracer) for x in diff_vals)
+    fun_flat = _forward_transform(fun_flat, policy, has_aux, traced)
     if has_aux:
         outs, lin, aux = jax.linearize(fun_flat, *diff_vals, has_aux=True)
     else:

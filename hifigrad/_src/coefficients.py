@@ -20,85 +20,9 @@ from jax import lax
 from . import compat
 from .interpreter import Interpreter, RuleTable
 from .policy import Policy
+from .primitives import coef_mul_p, pin
 
-__all__ = ["precise_coefficients", "coef_mul_p", "COEFFICIENTS"]
-
-
-# coefficient(kind)(*saved) -> d(primal op)/dx, evaluated at the tangent's dtype.
-_COEF = {
-    "tanh": lambda y: 1 - y * y,
-    "logistic": lambda y: y * (1 - y),
-    "exp": lambda y: y,
-    "expm1": lambda y: y + 1,
-    "log": lambda x: 1 / x,
-    "log2": lambda x: 1 / (x * np.log(2)),  # a primitive of its own on jax >= 0.12
-    "exp2": lambda y: y * np.log(2),
-    "log1p": lambda x: 1 / (1 + x),
-    "sin": lambda x: lax.cos(x),
-    "cos": lambda x: -lax.sin(x),
-    "sqrt": lambda y: 0.5 / y,
-    "rsqrt": lambda x: -0.5 * lax.rsqrt(x) / x,
-    "erf": lambda x: (2 / np.sqrt(np.pi)) * lax.exp(-x * x),
-}
-
-
-def _coef(kind, *saved):
-    if kind.startswith("integer_pow:"):
-        n = int(kind.split(":")[1])
-        (x,) = saved
-        # As JAX's own rule: x**0 is constant, so its derivative is 0 everywhere (not
-        # 0 * x**-1, which is 0 * inf = NaN at x = 0).
-        if n == 0:
-            return lax.full_like(x, 0)
-        return n * lax.integer_pow(x, n - 1) if n != 1 else lax.full_like(x, 1)
-    if kind == "div_rhs":
-        x, y = saved
-        return -x / (y * y)
-    return _COEF[kind](*saved)
-
-
-coef_mul_p = compat.new_primitive("hifigrad_coef_mul")
-
-
-def _coef_mul_impl(t, *saved, kind):
-    saved = [lax.convert_element_type(s, t.dtype) for s in saved]
-    c = _coef(kind, *saved)
-    return t * lax.convert_element_type(c, t.dtype)
-
-
-def _coef_mul_abstract(t, *saved, kind):
-    del saved, kind
-    return t.update(weak_type=False)
-
-
-compat.register_impl_and_lowering(coef_mul_p, _coef_mul_impl, _coef_mul_abstract)
-
-
-def _coef_mul_jvp(primals, tangents, *, kind):
-    # jax.jvp wants primals and tangents as the same container type (JAX passes a tuple
-    # and a list here).
-    tangents = tuple(compat.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(functools.partial(_coef_mul_impl, kind=kind), tuple(primals), tangents)
-
-
-def _coef_mul_transpose(ct, t, *saved, kind):
-    if type(ct).__name__ == "Zero":
-        return [None] * (1 + len(saved))
-    assert compat.is_undefined_primal(t) and not any(
-        compat.is_undefined_primal(s) for s in saved)
-    return [coef_mul_p.bind(ct, *saved, kind=kind)] + [None] * len(saved)
-
-
-def _coef_mul_batch(args, dims, *, kind):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jax.numpy.moveaxis(a, d, 0) if d is not None else
-             jax.numpy.broadcast_to(a, (size,) + a.shape) for a, d in zip(args, dims)]
-    return coef_mul_p.bind(*moved, kind=kind), 0
-
-
-compat.register_jvp(coef_mul_p, _coef_mul_jvp)
-compat.register_transpose(coef_mul_p, _coef_mul_transpose)
-compat.register_batching(coef_mul_p, _coef_mul_batch)
+__all__ = ["precise_coefficients", "pinned_choosers", "coef_mul_p", "COEFFICIENTS"]
 
 
 # ------------------------------------------------------------------------------ precise twins
@@ -160,34 +84,138 @@ def _div_rule(interp, eqn, invals, inflags):
     return [div(x, y)], [False]
 
 
-def _make_table() -> RuleTable:
-    from .rules import PROMOTE, cond_rule, inline_rule, remat_rule, scan_rule, while_rule
+# ------------------------------------------------------------------------------ pinned choosers
+
+# Reductions whose JVP compares the operand with the result (JAX's `_reduce_chooser_jvp_rule`:
+# ``operand == max``, then a division by the number of maxima).
+_CHOOSERS = frozenset(compat.primitives_named(["reduce_max", "reduce_min"]))
+# Where a chooser may sit: equations whose sub-jaxprs the rewrite enters (anything else holding
+# one keeps it as it is: a custom rule's own derivative does not use the chooser's JVP).
+_ENTERED = ("scan_p", "while_p", "cond_p", "remat_p", "pjit_p", "shard_map_p")
+
+
+def _is_float_var(v) -> bool:
+    dt = getattr(v.aval, "dtype", None)
+    return dt is not None and jax.numpy.issubdtype(dt, jax.numpy.inexact) and \
+        not compat.dtype_is_float0(dt)
+
+
+def _differentiated(jaxpr) -> frozenset:
+    """The variables of `jaxpr` whose tangent can reach an output: every float output, and
+    backward from there through every equation but `stop_gradient` (a softmax's max is
+    differentiated no further)."""
+    live = {v for v in jaxpr.outvars if not compat.is_literal(v) and _is_float_var(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive is compat.stop_gradient_p:
+            continue
+        if any(v in live for v in eqn.outvars if not compat.is_dropvar(v)):
+            live.update(v for v in eqn.invars
+                        if not compat.is_literal(v) and _is_float_var(v))
+    return frozenset(live)
+
+
+class _Choosers:
+    """Which jaxprs hold a differentiated chooser (their own equations or a sub-jaxpr's),
+    cached by identity for one rewrite."""
+
+    def __init__(self):
+        self._live: dict = {}
+        self._holds: dict = {}
+        self._entered = frozenset(p for p in (getattr(compat, n) for n in _ENTERED) if p)
+
+    def differentiated(self, jaxpr) -> frozenset:
+        hit = self._live.get(id(jaxpr))
+        if hit is None:
+            hit = self._live[id(jaxpr)] = (jaxpr, _differentiated(jaxpr))
+        return hit[1]
+
+    def pinned(self, jaxpr, eqn) -> bool:
+        """Whether `eqn` (of `jaxpr`) is a chooser whose result is differentiated."""
+        return (eqn.primitive in _CHOOSERS and _is_float_var(eqn.invars[0])
+                and eqn.outvars[0] in self.differentiated(jaxpr))
+
+    def holds(self, jaxpr) -> bool:
+        hit = self._holds.get(id(jaxpr))
+        if hit is None:
+            found = any(
+                self.pinned(jaxpr, e) or (e.primitive in self._entered and any(
+                    self.holds(compat.jaxpr_and_consts(j)[0])
+                    for j in compat.jaxprs_in_params(e.params)))
+                for e in jaxpr.eqns)
+            hit = self._holds[id(jaxpr)] = (jaxpr, found)
+        return hit[1]
+
+
+def _chooser_rule(interp, eqn, invals, inflags):
+    """A chooser: its operand pinned (`primitives.pin_p`) when its result is differentiated,
+    so that its JVP's comparison reads the very values it reduced."""
+    jaxpr = interp.current_jaxpr()
+    x = invals[0]
+    if interp.choosers.pinned(jaxpr, eqn) and isinstance(x, jax.core.Tracer):
+        x = pin(x)
+    return compat.bind_eqn(eqn, [x, *invals[1:]]), [False] * len(eqn.outvars)
+
+
+def _entering(rule):
+    """`rule` (a control-flow or call rule) where the sub-jaxprs hold a differentiated chooser;
+    the equation bound as it is elsewhere (jit boundaries, remat and loops untouched)."""
+
+    def entering(interp, eqn, invals, inflags):
+        if any(interp.choosers.holds(compat.jaxpr_and_consts(j)[0])
+               for j in compat.jaxprs_in_params(eqn.params)):
+            return rule(interp, eqn, invals, inflags)
+        return compat.bind_eqn(eqn, invals), [False] * len(eqn.outvars)
+
+    return entering
+
+
+# ------------------------------------------------------------------------------ the tables
+
+def _make_table(coefficients: bool) -> RuleTable:
+    from .rules import (
+        PROMOTE,
+        cond_rule,
+        inline_rule,
+        remat_rule,
+        scan_rule,
+        shard_map_rule,
+        while_rule,
+    )
 
     table = RuleTable()
-    for name, save_out in (("tanh", True), ("logistic", True), ("exp", True), ("expm1", True),
-                           ("exp2", True), ("log", False), ("log2", False), ("log1p", False),
-                           ("sin", False), ("cos", False), ("sqrt", True), ("rsqrt", False),
-                           ("erf", False)):
-        for p in compat.primitives_named([name]):
-            table.register(p, _unary_rule(name, save_out))
+    if coefficients:
+        for name, save_out in (("tanh", True), ("logistic", True), ("exp", True),
+                               ("expm1", True), ("exp2", True), ("log", False),
+                               ("log2", False), ("log1p", False), ("sin", False),
+                               ("cos", False), ("sqrt", True), ("rsqrt", False),
+                               ("erf", False)):
+            for p in compat.primitives_named([name]):
+                table.register(p, _unary_rule(name, save_out))
+                table.always.add(p)
+        for p in compat.primitives_named(["integer_pow"]):
+            table.register(p, _integer_pow_rule)
             table.always.add(p)
-    for p in compat.primitives_named(["integer_pow"]):
-        table.register(p, _integer_pow_rule)
+        table.register(lax.div_p, _div_rule)
+        table.always.add(lax.div_p)
+    for p in _CHOOSERS:
+        table.register(p, _chooser_rule)
         table.always.add(p)
-    table.register(lax.div_p, _div_rule)
-    table.always.add(lax.div_p)
-    # Control flow and calls: recurse, so ops inside loops, remat and jit are reached too.
+    # Control flow and calls: recurse, so ops inside loops, remat and jit are reached too
+    # (for the choosers alone, only where one is inside).
     for prim, rule in ((compat.scan_p, scan_rule), (compat.while_p, while_rule),
                        (compat.cond_p, cond_rule), (compat.remat_p, remat_rule),
-                       (compat.pjit_p, inline_rule)):
-        table.register(prim, rule, PROMOTE.flag_rules.get(prim))
+                       (compat.pjit_p, inline_rule), (compat.shard_map_p, shard_map_rule)):
+        if prim is None or (coefficients and prim is compat.shard_map_p):
+            continue
+        table.register(prim, rule if coefficients else _entering(rule),
+                       PROMOTE.flag_rules.get(prim))
         table.always.add(prim)
     return table
 
 
-@functools.lru_cache(maxsize=1)
-def _table() -> RuleTable:
-    return _make_table()
+@functools.lru_cache(maxsize=2)
+def _table(coefficients: bool = True) -> RuleTable:
+    return _make_table(coefficients)
 
 
 COEFFICIENTS = _table
@@ -202,14 +230,13 @@ _TRACED_MESSAGE = (
     "default), which runs the function as jax.grad does.")
 
 
-def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False,
-                         fallback: bool = False):
-    """Returns `fun_flat` re-traced with elementwise ops whose JVP coefficients are computed in
-    the backward, at the tangent's dtype. `fun_flat(*arrays)` returns a list (or (list, aux)
-    with ``has_aux``: aux leaves that are not JAX arrays -- strings, Python numbers -- are
-    returned as they are, as `jax.linearize` does, not traced). With `fallback` (the 'auto'
-    policy), a function that cannot be traced abstractly (Python control flow on values) runs
-    as it is, its coefficients the forward's, instead of raising."""
+def _rewritten(fun_flat, policy: Policy, has_aux: bool, table: RuleTable, on_traced_error,
+               skip=None):
+    """`fun_flat` traced once to a jaxpr and re-evaluated by `table` (`Interpreter`, no value
+    promoted). `fun_flat(*arrays)` returns a list (or (list, aux) with ``has_aux``: aux leaves
+    that are not JAX arrays -- strings, Python numbers -- are returned as they are, as
+    `jax.linearize` does, not traced). `on_traced_error(args, error)` answers for a function
+    that cannot be traced abstractly; `skip(jaxpr)` true: `fun_flat` runs as it is."""
 
     def wrapped(*args):
         static_aux: list = []
@@ -226,10 +253,11 @@ def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False,
         try:
             jaxpr, consts, out_tree = compat.make_jaxpr_closed(traced, *args)
         except jax.errors.ConcretizationTypeError as e:
-            if fallback:
-                return fun_flat(*args)
-            raise TypeError(f"{_TRACED_MESSAGE} JAX said: {str(e).splitlines()[0]}") from e
-        interp = Interpreter(policy, _table())
+            return on_traced_error(args, e)
+        interp = Interpreter(policy, table)
+        interp.choosers = _Choosers()
+        if skip is not None and skip(interp, jaxpr):
+            return fun_flat(*args)
         outs, _ = interp.eval(jaxpr, consts, list(args), [False] * len(args))
         outs = jax.tree_util.tree_unflatten(out_tree, outs)
         if not has_aux:
@@ -243,10 +271,29 @@ def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False,
     return wrapped
 
 
-def _register_promotion_rule():
-    from .rules import PROMOTE, promote_rule
+def precise_coefficients(fun_flat, policy: Policy, has_aux: bool = False,
+                         fallback: bool = False):
+    """Returns `fun_flat` re-traced with elementwise ops whose JVP coefficients are computed in
+    the backward, at the tangent's dtype, and its differentiated choosers pinned
+    (`pinned_choosers`). With `fallback` (the 'auto' policy), a function that cannot be traced
+    abstractly (Python control flow on values) runs as it is, its coefficients the forward's,
+    instead of raising."""
 
-    PROMOTE.register(coef_mul_p, promote_rule)
+    def on_error(args, e):
+        if fallback:
+            return fun_flat(*args)
+        raise TypeError(f"{_TRACED_MESSAGE} JAX said: {str(e).splitlines()[0]}") from e
+
+    return _rewritten(fun_flat, policy, has_aux, _table(True), on_error)
 
 
-_register_promotion_rule()
+def pinned_choosers(fun_flat, policy: Policy, has_aux: bool = False):
+    """Returns `fun_flat` with the operand of every `reduce_max` / `reduce_min` whose result is
+    differentiated pinned (`primitives.pin_p`): computed once, so that the chooser's JVP
+    compares the values it reduced, whatever XLA fuses (see `primitives`). Used where the
+    function is linearized under a trace (jit, a scan body, a checkpoint's recomputation), and
+    only then: eagerly each operation runs on its own. A function with no such chooser, or one
+    that cannot be traced abstractly, runs as it is."""
+    return _rewritten(fun_flat, policy, has_aux, _table(False),
+                      lambda args, e: fun_flat(*args),
+                      skip=lambda interp, jaxpr: not interp.choosers.holds(jaxpr))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -658,9 +659,16 @@ def instantiate_zeros(x):
 # Defining hifigrad's own primitives
 # --------------------------------------------------------------------------------------------
 
+# Every primitive made by `new_primitive`, with the module that made it: hifigrad's own
+# (`hifigrad.*`) are checked by a test against every registry a primitive needs (and no module
+# of the package calls `Primitive(...)` itself); tests make their own with it too.
+CREATED: list = []
+
+
 def new_primitive(name: str, multiple_results: bool = False) -> Primitive:
     p = jax.extend.core.Primitive(name)
     p.multiple_results = multiple_results
+    CREATED.append((p, sys._getframe(1).f_globals.get("__name__", "")))  # noqa: SLF001
     return p
 
 
@@ -681,6 +689,17 @@ def register_transpose(p: Primitive, rule: Callable) -> None:
 
 def register_batching(p: Primitive, rule: Callable) -> None:
     _batching.primitive_batchers[p] = rule
+
+
+def registered_rules(p: Primitive) -> dict[str, bool]:
+    """Which of JAX's registries hold a rule for `p`: its MLIR lowering, JVP, transpose and
+    batching rule. (JAX change: from 0.12 on `batching.primitive_batchers` is a write-only
+    proxy that wraps each rule into `fancy_primitive_batchers`; both are read.)"""
+    plain = getattr(_batching, "primitive_batchers", None)
+    fancy = getattr(_batching, "fancy_primitive_batchers", None)
+    batched = (isinstance(plain, dict) and p in plain) or (isinstance(fancy, dict) and p in fancy)
+    return {"lowering": p in _mlir._lowerings, "jvp": p in _ad.primitive_jvps,
+            "transpose": p in _ad.primitive_transposes, "batching": batched}
 
 
 def is_undefined_primal(x) -> bool:

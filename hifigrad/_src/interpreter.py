@@ -252,6 +252,10 @@ class Interpreter:
         self._up: dict = {}  # dtype -> its promoted dtype
         self._frames: list = []  # (jaxpr, env) of the jaxprs being evaluated, innermost last
 
+    def current_jaxpr(self):
+        """The innermost jaxpr being evaluated."""
+        return self._frames[-1][0]
+
     def lookup(self, var):
         """The current value of `var` in the innermost jaxpr being evaluated."""
         return var.val if compat.is_literal(var) else self._frames[-1][1][var]

@@ -47,7 +47,7 @@ from jax import lax
 from . import compat
 from .dtypes import is_real_float
 from .interpreter import Interpreter, RuleTable
-from .primitives import upcast_p
+from .primitives import PRIMITIVES
 
 __all__ = ["PROMOTE", "promote_rule", "register_rule"]
 
@@ -562,7 +562,8 @@ def pvary_rule(interp: Interpreter, eqn, invals, inflags):
 PROMOTE = RuleTable(default=default_rule)
 PROMOTE.register(lax.convert_element_type_p, convert_rule)
 PROMOTE.register(compat.pvary_p, pvary_rule)
-PROMOTE.register(upcast_p, promote_rule)  # a backward that is itself differentiated
+# hifigrad's own primitives, by what each declares where it is defined (`primitives.py`).
+PROMOTE.register([p for p, d in PRIMITIVES.items() if d.promote == "rebind"], promote_rule)
 PROMOTE.register(compat.primitives_named(["scatter", "scatter-add", "scatter_add", "scatter_mul",
                                           "scatter_min", "scatter_max", "scatter_sub"]),
                  scatter_rule)

@@ -590,13 +590,9 @@ register([compat.copy_p, *_named("copy"), compat.name_p, compat.stop_gradient_p,
           compat.sharding_constraint_p, compat.pvary_p], _broadcasting_types, _linear_unary)
 
 
-def _upcast_rules():
-    from .primitives import upcast_p
-
-    register([upcast_p], _broadcasting_types, _linear_unary)
-
-
-_upcast_rules()
+# The rules a primitive defined elsewhere (hifigrad's own, `primitives.py`) registers with.
+broadcasting_types = _broadcasting_types
+linear_unary = _linear_unary
 
 
 def _identity_each_types(cx: _Cx, eqn, ins, want):
