@@ -86,9 +86,7 @@ def test_on_a_tpu_exact_at_default_precision_is_fast():
 
 @pytest.fixture
 def auto_as_on_gpu(monkeypatch):
-    from hifigrad._src import policy
-
-    monkeypatch.setattr(policy, "_AUTO_MATMUL", {})
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "gpu")
     assert hg.Policy().resolved_matmul() == "fast"
 
 
@@ -115,3 +113,34 @@ def test_auto_off_cpu_keeps_fp16_matmuls_exact(auto_as_on_gpu, maybe_jit):
     assert float(jnp.abs(exact).max()) > 0
     np.testing.assert_allclose(auto, exact, rtol=2 ** -20, atol=0)  # the same f32 program
     assert float(jnp.linalg.norm(fast - exact) / jnp.linalg.norm(exact)) > 0.5
+
+
+# ---- each platform's branch, lowered on this host (CI has no accelerator)
+
+def _backward_dots(text):
+    import re
+
+    return sorted(set(re.findall(
+        r"stablehlo.dot_general.*?: \((tensor<[^)]*)\) -> (tensor<[^>]*xf32>)", text)))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
+def test_fast_matmul_branch_of_each_platform(platform):
+    """`Policy(matmul='fast')` stages each backward matmul in a `lax.platform_dependent`: lowered
+    for a TPU or a GPU (here, on any host) the backward's dots take the bf16 operands and
+    accumulate in float32; lowered for CPU, they multiply the same rounded values up-cast to
+    float32 (XLA:CPU cannot run every mixed dot)."""
+    from hifigrad._src import compat
+
+    ws = [jnp.full((16, 16), 0.05, jnp.bfloat16) * (i + 1) for i in range(2)]
+    x = jnp.linspace(-1, 1, 64, dtype=jnp.bfloat16).reshape(4, 16)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    f = jax.jit(hg.grad(loss, policy=hg.Policy(matmul="fast")))
+    dots = _backward_dots(compat.lower_for(f, (ws, x), platform))
+    low = "xbf16>" if platform != "cpu" else "xf32>"
+    assert dots and all(a.count(low) == 2 for a, _ in dots), dots

@@ -187,3 +187,16 @@ def test_skip_connections_materialized_only_in_a_chain_of_blocks(n, divides):
     ws, x = _residual_args(n)
     text = str(jax.make_jaxpr(hg.grad(_residual_loss(n, jnp.bfloat16)))(ws, x))
     assert ("optimization_barrier" in text) == divides
+
+
+@pytest.mark.parametrize("platform,divides", [("cpu", True), ("tpu", False), ("cuda", False)])
+def test_materialize_branch_of_each_platform(platform, divides):
+    """`materialize` is XLA:CPU's opaque identity (a divide by a barrier-hidden one, which
+    XLA:CPU never duplicates into consumers) and the plain value elsewhere: each platform's
+    branch, lowered on this host."""
+    from hifigrad._src import compat
+    from hifigrad._src.interpreter import materialize
+
+    x = jnp.linspace(-1.0, 1.0, 8)
+    text = compat.lower_for(jax.jit(lambda x: materialize(x) * 2.0), (x,), platform)
+    assert ("stablehlo.divide" in text) == divides, text

@@ -60,9 +60,8 @@ def test_auto_coefficients_as_on_a_tpu_fall_back_for_python_control_flow(monkeyp
     """'auto' resolved as on a TPU ('tangent') runs a function that branches in Python on an
     array value (it cannot be traced abstractly) with the forward's coefficients, as
     'forward' would; 'tangent' asked for explicitly says why it cannot."""
-    from hifigrad._src import policy
-
-    monkeypatch.setattr(policy, "_AUTO_COEFFICIENTS", {"cpu": "tangent"})
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "tpu")
+    assert hg.Policy().resolved_coefficients() == "tangent"
     x = jnp.linspace(-1, 1, 8, dtype=jnp.bfloat16)
 
     def f(x):
@@ -81,9 +80,45 @@ def test_auto_coefficients_as_on_a_tpu_fall_back_for_python_control_flow(monkeyp
                                   hg.grad(h, policy=hg.Policy(coefficients="tangent"))(x))
 
 
-def test_auto_matmul_resolves_from_default_backend():
+def test_auto_matmul_resolves_from_default_backend(monkeypatch):
+    monkeypatch.delenv("HIFIGRAD_PLATFORM", raising=False)
     expected = "exact" if jax.default_backend() == "cpu" else "fast"
     assert hg.Policy().resolved_matmul() == expected
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu", "TPU "])
+def test_hifigrad_platform_makes_another_platforms_choices(platform, monkeypatch):
+    """``HIFIGRAD_PLATFORM`` makes 'auto' resolve as on that platform (so that a CPU runs a
+    TPU's or a GPU's choices): the one function `auto_choices` decides, for every field."""
+    from hifigrad._src.policy import auto_choices, current_platform
+
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", platform)
+    name = platform.strip().lower()
+    assert current_platform() == name
+    choices = auto_choices(name)
+    assert hg.Policy().resolved_matmul() == choices["matmul"]
+    assert hg.Policy().resolved_coefficients() == choices["coefficients"]
+    assert hg.Policy(matmul="exact", coefficients="forward").resolved_matmul() == "exact"
+    assert auto_choices("tpu") == {"matmul": "fast", "coefficients": "tangent"}
+    assert auto_choices("gpu") == {"matmul": "fast", "coefficients": "forward"}
+    assert auto_choices("cpu") == {"matmul": "exact", "coefficients": "forward"}
+
+
+def test_hifigrad_platform_must_name_a_platform(monkeypatch):
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "cuda12")
+    with pytest.raises(ValueError, match="HIFIGRAD_PLATFORM='cuda12'.*'cpu', 'gpu', 'tpu'"):
+        hg.Policy().resolved_matmul()
+
+
+def test_tpu_choices_trace_the_tpu_program_on_any_host(monkeypatch):
+    """The backward traced under HIFIGRAD_PLATFORM=tpu is the one a TPU traces for the default
+    policy: the same jaxpr as the explicit policy the TPU resolves to."""
+    loss, ws, x = _bf16_mlp()
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "tpu")
+    as_tpu = str(jax.make_jaxpr(hg.grad(loss))(ws, x))
+    explicit = str(jax.make_jaxpr(hg.grad(loss, policy=hg.Policy(
+        matmul="fast", coefficients="tangent")))(ws, x))
+    assert as_tpu == explicit and "hifigrad_coef_mul" in as_tpu
 
 
 def _bf16_mlp():

@@ -230,13 +230,12 @@ _TRACED_MESSAGE = (
     "default), which runs the function as jax.grad does.")
 
 
-def _rewritten(fun_flat, policy: Policy, has_aux: bool, table: RuleTable, on_traced_error,
-               skip=None):
+def _rewritten(fun_flat, policy: Policy, has_aux: bool, table: RuleTable, on_traced_error):
     """`fun_flat` traced once to a jaxpr and re-evaluated by `table` (`Interpreter`, no value
-    promoted). `fun_flat(*arrays)` returns a list (or (list, aux) with ``has_aux``: aux leaves
-    that are not JAX arrays -- strings, Python numbers -- are returned as they are, as
-    `jax.linearize` does, not traced). `on_traced_error(args, error)` answers for a function
-    that cannot be traced abstractly; `skip(jaxpr)` true: `fun_flat` runs as it is."""
+    promoted; an equation no rule names is bound as it is). `fun_flat(*arrays)` returns a list
+    (or (list, aux) with ``has_aux``: aux leaves that are not JAX arrays -- strings, Python
+    numbers -- are returned as they are, as `jax.linearize` does, not traced).
+    `on_traced_error(args, error)` answers for a function that cannot be traced abstractly."""
 
     def wrapped(*args):
         static_aux: list = []
@@ -256,8 +255,6 @@ def _rewritten(fun_flat, policy: Policy, has_aux: bool, table: RuleTable, on_tra
             return on_traced_error(args, e)
         interp = Interpreter(policy, table)
         interp.choosers = _Choosers()
-        if skip is not None and skip(interp, jaxpr):
-            return fun_flat(*args)
         outs, _ = interp.eval(jaxpr, consts, list(args), [False] * len(args))
         outs = jax.tree_util.tree_unflatten(out_tree, outs)
         if not has_aux:
@@ -292,8 +289,9 @@ def pinned_choosers(fun_flat, policy: Policy, has_aux: bool = False):
     differentiated pinned (`primitives.pin_p`): computed once, so that the chooser's JVP
     compares the values it reduced, whatever XLA fuses (see `primitives`). Used where the
     function is linearized under a trace (jit, a scan body, a checkpoint's recomputation), and
-    only then: eagerly each operation runs on its own. A function with no such chooser, or one
-    that cannot be traced abstractly, runs as it is."""
+    only then: eagerly each operation runs on its own. The function is traced once, and its
+    program evaluated: equations that hold no such chooser are bound as they are (jit
+    boundaries, remat, loops and custom rules kept). One that cannot be traced abstractly runs
+    as it is."""
     return _rewritten(fun_flat, policy, has_aux, _table(False),
-                      lambda args, e: fun_flat(*args),
-                      skip=lambda interp, jaxpr: not interp.choosers.holds(jaxpr))
+                      lambda args, e: fun_flat(*args))

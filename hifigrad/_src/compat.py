@@ -691,6 +691,14 @@ def register_batching(p: Primitive, rule: Callable) -> None:
     _batching.primitive_batchers[p] = rule
 
 
+def lower_for(jitted, args: Sequence[Any], platform: str) -> str:
+    """The StableHLO text of ``jitted(*args)`` (a `jax.jit` function) lowered for `platform`
+    (``'cpu'``, ``'tpu'``, ``'cuda'``, ``'rocm'``) on whatever host this runs: each
+    `lax.platform_dependent` takes that platform's branch, so a CPU can check the program a
+    TPU or a GPU would compile. (`lowering_platforms` is the argument `jax.export` uses.)"""
+    return jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
 def registered_rules(p: Primitive) -> dict[str, bool]:
     """Which of JAX's registries hold a rule for `p`: its MLIR lowering, JVP, transpose and
     batching rule. (JAX change: from 0.12 on `batching.primitive_batchers` is a write-only

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Policy", "resolve_policy"]
+__all__ = ["PLATFORM_ENV", "Policy", "auto_choices", "current_platform", "resolve_policy"]
 
 _MATMUL = ("auto", "exact", "fast")
 _PRECISION = (None, "default", "high", "highest")
@@ -27,6 +28,42 @@ _COEFFICIENTS = ("auto", "forward", "tangent")
 # jax.grad's time against 'forward''s 1.054x, in 5698 MiB of temp against 6442 MiB
 # (benchmarks/results/tpu_v5e.md). Elsewhere 'forward', as before.
 _AUTO_COEFFICIENTS = {"tpu": "tangent"}
+
+# The platform whose choices 'auto' makes: `jax.default_backend()`, unless this environment
+# variable names another (``cpu``, ``gpu`` or ``tpu``), so that a CPU runs a TPU's or a GPU's
+# choices (tests, CI's lane of the TPU's choices). Only the policy's choices follow it: what
+# XLA compiles for the device itself (`lax.platform_dependent` branches) is the real one's.
+PLATFORM_ENV = "HIFIGRAD_PLATFORM"
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def current_platform() -> str:
+    """The platform 'auto' resolves for: ``HIFIGRAD_PLATFORM`` when set, else
+    `jax.default_backend()` (read at each call, so when the backward is traced).
+
+    Raises:
+      ValueError: ``HIFIGRAD_PLATFORM`` names no platform hifigrad knows.
+    """
+    env = os.environ.get(PLATFORM_ENV, "").strip().lower()
+    if env:
+        if env not in PLATFORMS:
+            raise ValueError(f"{PLATFORM_ENV}={env!r} is not a platform hifigrad makes choices "
+                             f"for; use one of {PLATFORMS}, or unset it to use JAX's default "
+                             f"backend ({jax.default_backend()}).")
+        return env
+    return jax.default_backend()
+
+
+def auto_choices(platform: str) -> dict[str, str]:
+    """What each ``'auto'`` field of `Policy` means on `platform` (``'cpu'``, ``'gpu'``,
+    ``'tpu'``): the one place a default depends on the backend.
+
+    >>> from hifigrad._src.policy import auto_choices
+    >>> auto_choices("tpu")
+    {'matmul': 'fast', 'coefficients': 'tangent'}
+    """
+    return {"matmul": _AUTO_MATMUL.get(platform, _AUTO_MATMUL_DEFAULT),
+            "coefficients": _AUTO_COEFFICIENTS.get(platform, "forward")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +84,8 @@ class Policy:
         modes run at the same speed and exact is more precise; on an NVIDIA H200 fast ran a
         bf16 model's step in 1.025x bf16 `jax.grad`'s time against exact's 1.29x, 0.4 dB of
         gradient SQNR apart. The platform is read when the backward is traced, from
-        `jax.default_backend()` (`Policy.resolved_matmul`). On a TPU, a float32 matmul at
+        `jax.default_backend()` or the ``HIFIGRAD_PLATFORM`` environment variable
+        (`Policy.resolved_matmul`). On a TPU, a float32 matmul at
         JAX's default precision is itself one bf16 pass: there 'exact' and 'fast' compute
         the same products ('fast' without float32 copies of the residuals), and only
         ``matmul_precision='highest'`` multiplies in float32.
@@ -133,9 +171,10 @@ class Policy:
     def resolved_matmul(self, platform: str | None = None) -> str:
         """The matmul mode the backward runs: ``'exact'`` or ``'fast'``.
 
-        ``'auto'`` resolves by platform (``platform``, default `jax.default_backend()`):
-        ``'exact'`` on CPU, ``'fast'`` elsewhere (where it rewrites only the matmuls on
-        bfloat16 operands; fp16 / fp8 ones stay exact).
+        ``'auto'`` resolves by platform (``platform``, default `current_platform`:
+        ``HIFIGRAD_PLATFORM`` or `jax.default_backend()`): ``'exact'`` on CPU, ``'fast'``
+        elsewhere (where it rewrites only the matmuls on bfloat16 operands; fp16 / fp8 ones
+        stay exact).
 
         >>> import hifigrad as hg
         >>> hg.Policy().resolved_matmul("cpu"), hg.Policy().resolved_matmul("gpu")
@@ -143,13 +182,13 @@ class Policy:
         """
         if self.matmul != "auto":
             return self.matmul
-        platform = jax.default_backend() if platform is None else platform
-        return _AUTO_MATMUL.get(platform, _AUTO_MATMUL_DEFAULT)
+        return auto_choices(current_platform() if platform is None else platform)["matmul"]
 
     def resolved_coefficients(self, platform: str | None = None) -> str:
         """Where the backward's derivative coefficients come from: ``'forward'`` or
-        ``'tangent'``. ``'auto'`` resolves by platform (``platform``, default
-        `jax.default_backend()`): ``'tangent'`` on a TPU, ``'forward'`` elsewhere.
+        ``'tangent'``. ``'auto'`` resolves by platform (``platform``, default `current_platform`:
+        ``HIFIGRAD_PLATFORM`` or `jax.default_backend()`): ``'tangent'`` on a TPU, ``'forward'``
+        elsewhere.
 
         >>> import hifigrad as hg
         >>> hg.Policy().resolved_coefficients("cpu"), hg.Policy().resolved_coefficients("tpu")
@@ -157,8 +196,8 @@ class Policy:
         """
         if self.coefficients != "auto":
             return self.coefficients
-        platform = jax.default_backend() if platform is None else platform
-        return _AUTO_COEFFICIENTS.get(platform, "forward")
+        return auto_choices(current_platform() if platform is None else platform)[
+            "coefficients"]
 
     def lax_precision(self) -> lax.Precision | None:
         """`matmul_precision` as a `lax.Precision` (None when each op keeps its own)."""
