@@ -69,7 +69,7 @@ from jax.tree_util import tree_flatten, tree_unflatten
 
 from . import compat
 from .codecs import Codec, Encoded, get_codec
-from .policy import Policy, resolve_policy
+from .policy import Policy, effective_policy, resolve_checkpoint_policy
 from .separable import call_jaxpr as _call_jaxpr
 
 __all__ = ["checkpoint", "scan"]
@@ -98,6 +98,29 @@ def check_slices(backward_slices):
         raise ValueError(f"backward_slices must be None (automatic) or a positive int (1: never "
                          f"slice the backward); got {backward_slices!r}.")
     return int(backward_slices)
+
+
+def check_checkpoint_args(where: str, fun, codec, policy, tangent_dtype, save: str,
+                          backward_slices, *, stateful: bool = False):
+    """The arguments every compressed checkpoint takes (`checkpoint`, `scan`,
+    `compress_checkpoints`), checked where it is made, with the same messages: returns
+    ``(codec, policy, save, backward_slices)`` resolved. `stateful`: a delayed-scaling codec
+    is allowed (`scan` threads its state)."""
+    if not callable(fun):
+        raise TypeError(f"{where}: expected a function to checkpoint; got {fun!r}.")
+    codec = get_codec(codec)
+    if _is_stateful(codec) and not stateful:
+        raise TypeError(
+            f"{where}: codec {codec.name!r} uses delayed scaling, whose state the caller "
+            f"threads through training; use hifigrad.scan(..., codec_state=...) for it, or a "
+            f"current-scaling codec such as 'fp8_e4m3'.")
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(
+            f"{where}: `policy` is a hifigrad.Policy for the recomputed backward (a "
+            f"jax.checkpoint policy does not apply: the block is recomputed from its encoded "
+            f"inputs); got {policy!r}.")
+    return (codec, resolve_checkpoint_policy(policy, tangent_dtype), check_save(save),
+            check_slices(backward_slices))
 
 
 def is_float_array(x) -> bool:
@@ -155,15 +178,23 @@ jax.tree_util.register_pytree_node(_Dtypes, lambda d: ((), d.dtypes),
 
 
 def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
+    from .api import promoted_region
+
     saved, consts, dtypes, state = res
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
-    if plan is not None:  # a `_SlicePlan`: the backward in batch slices
-        cts_in = _sliced_backward(plan, policy, args, consts, cts)
-        if checking_slices(policy):
-            cts_in = _checked(plan, cts_in, _whole_backward(fun_flat, policy, args, consts, cts))
-    else:  # the whole block's backward at once
-        cts_in = _whole_backward(fun_flat, policy, args, consts, cts)
+
+    def backward(cts):
+        if plan is not None:  # a `_SlicePlan`: the backward in batch slices
+            cts_in = _sliced_backward(plan, policy, args, consts, cts)
+            if checking_slices(policy):
+                cts_in = _checked(plan, cts_in,
+                                  _whole_backward(fun_flat, policy, args, consts, cts), cts)
+            return cts_in
+        return _whole_backward(fun_flat, policy, args, consts, cts)  # at once
+
+    # Built in the tangent dtype already: not promoted again by an enclosing hg.grad.
+    cts_in = promoted_region(backward, cts, policy)
     args_ct, consts_ct = _input_cotangents(cts_in, dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state).
     return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
@@ -421,12 +452,13 @@ def _backward_program(fun, args, out_avals, is_float, policy: Policy):
 
     n = len(args)
 
+    float_avals = [a for a, f in zip(out_avals, is_float) if f]
+
     def bwd(*xs):
         _, vjp_fn = _vjp(lambda *a: fun(*a), tuple(xs[:n]), False, policy, PROMOTE)
         # (inside a shard_map, each cotangent varies along the mesh axes its output does)
-        cts = iter(compat.match_varying(c, a) for c, a, f in zip(xs[n:], out_avals, is_float)
-                   if f)
-        return vjp_fn(_all_cts([next(cts) for f in is_float if f], out_avals, is_float))
+        cts = [compat.match_varying(c, a) for c, a in zip(xs[n:], float_avals)]
+        return vjp_fn(_all_cts(cts, out_avals, is_float))
 
     cts = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, f in zip(out_avals, is_float) if f]
     jaxpr, consts, tree = compat.make_jaxpr_closed(bwd, *args, *cts)
@@ -497,9 +529,10 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     acc_dtype = {i: max((np.dtype(jnp.float32), np.dtype(jnp.result_type(x)),
                          np.dtype(policy.tangent_dtype)), key=lambda t: t.itemsize)
                  for i, x in others if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
-    # The batched float inputs' cotangent rows (an integer input's is float0: made whole).
+    # The batched float and complex inputs' cotangent rows (an integer input's is float0:
+    # made whole).
     rows_out = [i for i, (x, t) in enumerate(zip(everything, plan.in_types))
-                if is_axis(t) and is_float_array(x)]
+                if is_axis(t) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
 
     def body(acc, xs):
         x_sl, c_sl, i = xs
@@ -572,28 +605,41 @@ def slice_tolerance(dtypes) -> float:
     return max([2.0 ** -10, *(4 * float(e) for e in narrow)])
 
 
-def _checked(plan: _SlicePlan, sliced, whole):
+def _wide(x):
+    """`x` in float32 (complex64 if complex) or wider: what the check compares in."""
+    dt = jnp.result_type(x)
+    wide = jnp.complex64 if jnp.issubdtype(dt, jnp.complexfloating) else jnp.float32
+    return jnp.asarray(x, jnp.promote_types(dt, wide))
+
+
+def _checked(plan: _SlicePlan, sliced, whole, cts=()):
     """`sliced`, after checking it against `whole` when the program runs: a norm-wise
-    difference above `slice_tolerance` for any input (relative to the larger of its own
-    cotangent and the block's largest) raises `SliceCheckError` naming the checkpoint's
-    source line."""
+    difference above `slice_tolerance` for any input (relative to the largest of its own
+    cotangent, the block's largest and the output cotangents `cts`) raises `SliceCheckError`
+    naming the checkpoint's source line."""
     pairs = [(i, s, w) for i, (s, w) in enumerate(zip(sliced, whole))
              if jnp.issubdtype(jnp.result_type(w), jnp.inexact)]
     if not pairs:
         return sliced
     tol = slice_tolerance([jnp.result_type(a) for a in plan.out_avals])
-    # Each input's difference relative to the larger of its own cotangent and the block's
-    # largest: a cotangent that is zero up to rounding (an attention key bias's: softmax
-    # ignores it) is the rounding of terms as large as the others', and its own norm says
-    # nothing of a wrong slicing (0.6 "off" on a TPU, 1e-7 of the block's largest).
+    # Each input's difference relative to the largest of its own cotangent, the block's
+    # largest and the output cotangents': a cotangent that is zero up to rounding (an
+    # attention key bias's: softmax ignores it; every input's through a softmax summed over
+    # its own axis) is the rounding of terms as large as the others' or the outputs', and
+    # its own norm says nothing of a wrong slicing (0.6 "off" on a TPU, 1e-7 of the block's
+    # largest). Every wrong slicing seen was off by 1e-2 of the cotangents or more.
     diffs, norms = [], []
     for _, s, w in pairs:
-        s32, w32 = jnp.asarray(s, jnp.float32), jnp.asarray(w, jnp.float32)
+        s32, w32 = _wide(s), _wide(w)
         diffs.append(jnp.linalg.norm((s32 - w32).ravel()))
         norms.append(jnp.linalg.norm(w32.ravel()))
+    ct_norm = jnp.sqrt(sum((jnp.linalg.norm(_wide(c).ravel()) ** 2
+                            for c in jax.tree_util.tree_leaves(cts)
+                            if jnp.issubdtype(jnp.result_type(c), jnp.inexact)),
+                           jnp.float32(0)))
     norms = jnp.stack(norms)
     errs = jnp.stack(diffs) / jnp.maximum(jnp.maximum(norms, jnp.max(norms)),
-                                          jnp.float32(1e-30))
+                                          jnp.maximum(ct_norm, jnp.float32(1e-30)))
     names = [i for i, _, _ in pairs]
     where = plan.where or "an unknown place"
 
@@ -948,7 +994,7 @@ def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
 
 
 def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
-    del fun_flat, policy
+    del fun_flat
     saved, kept, jconsts, plan, dtypes = res
     jaxpr = plan.jaxpr
     env = dict(zip(jaxpr.constvars, jconsts))
@@ -962,8 +1008,10 @@ def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
             env[v] = s
     leaves = _eval_jaxpr(jaxpr, env, jaxpr.outvars[plan.n_out:])
     vjp_fn = tree_unflatten(plan.vjp_tree, leaves)
-    return _input_cotangents(_freeing_first(vjp_fn, list(cts)), dtypes.dtypes,
-                             len(encode))
+    from .api import promoted_region
+
+    cts_in = promoted_region(lambda c: _freeing_first(vjp_fn, c), list(cts), policy)
+    return _input_cotangents(cts_in, dtypes.dtypes, len(encode))
 
 
 _ckpt_res.defvjp(_ckpt_res_fwd, _ckpt_res_bwd)
@@ -1043,23 +1091,28 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
       >>> jax.grad(lambda x: g(x).sum())(jnp.array([-1.0, 2.0]))
       Array([0., 1.], dtype=float32)
     """
-    codec = get_codec(codec)
-    policy = resolve_policy(policy, tangent_dtype)
-    save = check_save(save)
+    codec, policy, save, backward_slices = check_checkpoint_args(
+        "hifigrad.checkpoint", fun, codec, policy, tangent_dtype, save, backward_slices)
     argnums = _check_argnums(encode_argnums)
 
+    def call(args, kwargs):
+        return fun(*args, **kwargs)
+
     @functools.wraps(fun)
-    def wrapped(*args):
-        for x in jax.tree_util.tree_leaves(args, is_leaf=lambda v: isinstance(v, Encoded)):
+    def wrapped(*args, **kwargs):
+        for x in jax.tree_util.tree_leaves((args, kwargs),
+                                           is_leaf=lambda v: isinstance(v, Encoded)):
             _check_encodable(x)
-        flat, in_tree = tree_flatten(args)
+        flat, in_tree = tree_flatten((args, kwargs))
         flat = [jnp.asarray(x) for x in flat]
         chosen = _chosen_args(argnums, len(args))
-        # the argument each leaf of `flat` comes from (tuples flatten argument by argument)
+        # the argument each leaf of `flat` comes from (tuples flatten argument by argument;
+        # keyword arguments, after them, count as unnamed by `encode_argnums`)
         owner = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+        owner += [None] * (len(flat) - len(owner))
         encode = [is_float_array(x) and (chosen is None or i in chosen)
                   for x, i in zip(flat, owner)]
-        return checkpoint_call(fun, flat, in_tree, encode, codec, policy, save,
+        return checkpoint_call(call, flat, in_tree, encode, codec, policy, save,
                                backward_slices=backward_slices)
 
     return wrapped
@@ -1102,13 +1155,15 @@ def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", st
       in_tree: their treedef.
       encode: one bool per leaf of `flat`: whether that input is saved encoded (a float
         activation) or as it is (parameters, integer inputs).
-      codec: a `Codec`; policy: a resolved `Policy`; save: a `check_save`-d mode.
+      codec: a `Codec`; policy: a resolved `Policy` (`policy.INHERIT`: the policy of the
+        hifigrad transform tracing it, else the default); save: a `check_save`-d mode.
       state: a delayed-scaling codec's state, or None.
       backward_slices: as in `checkpoint` (None: automatic).
 
     Returns:
       `fun`'s output pytree.
     """
+    policy = effective_policy(policy)  # a checkpoint made without one: the transform's
     fun_flat, box = _flat_closure(fun, flat, in_tree)
     converted, consts = jax.closure_convert(fun_flat, *flat)
     plan = _slice_plan(fun_flat, converted, consts, flat, encode, policy, save,
@@ -1209,9 +1264,8 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         raise TypeError("hifigrad.scan: no codec given; pass one by keyword, e.g. "
                         "hifigrad.scan(f, init, xs, codec='int8') ('none' saves the carry "
                         "uncompressed).")
-    codec = get_codec(codec)
-    policy = resolve_policy(policy, tangent_dtype)
-    save = check_save(save)
+    codec, policy, save, backward_slices = check_checkpoint_args(
+        "hifigrad.scan", f, codec, policy, tangent_dtype, save, backward_slices, stateful=True)
     _check_codec_state(codec, codec_state, save, "hifigrad.scan")
     for x in jax.tree_util.tree_leaves(init, is_leaf=lambda v: isinstance(v, Encoded)):
         _check_encodable(x)
