@@ -732,3 +732,122 @@ def test_every_fuzzer_operation_is_classified_right(monkeypatch):
     for name in layouts:
         why = fb.check(fb.make_block(["tanh_mm"], name), args, 4)
         assert why.startswith("sliced") == fb.LAYOUTS[name][1], (name, why)
+
+
+# ------------------------------------------------------------------ row-separable probes
+# What real blocks contain (issue 45's list): each of these is row by row, so it must slice,
+# and its sliced backward must equal the whole one (`fuzz_blocks.check`). Each family is in
+# the fuzzer's catalogue too (`fuzz_blocks.ROWWISE`).
+
+def _probe_args(*extra):
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(8, 8, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 8)) / np.sqrt(8), jnp.float32)
+    return (h, w, *extra)
+
+
+def _rope_stack(x, w):
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    th = jnp.arange(x.shape[1], dtype=x.dtype)[None, :, None] * 0.1
+    rot = jnp.stack([x1 * jnp.cos(th) - x2 * jnp.sin(th), x1 * jnp.sin(th) + x2 * jnp.cos(th)],
+                    -1)
+    return (rot.reshape(x.shape) @ w,)
+
+
+def _rnn_over_tokens(x, w):
+    def cell(c, xt):
+        c = jnp.tanh(c @ w + xt)
+        return c, c
+    return (jnp.swapaxes(lax.scan(cell, jnp.zeros_like(x[:, 0]), jnp.swapaxes(x, 0, 1))[1],
+                         0, 1),)
+
+
+def _dropout_keys(x, w, keys):
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, x.shape[1:]))(keys)
+    return (jnp.where(keep, x / 0.8, 0.0) @ w,)
+
+
+def _fold_in_ids(x, w, ids):
+    keep = jax.vmap(lambda i: jax.random.bernoulli(
+        jax.random.fold_in(jax.random.key(1), i), 0.8, x.shape[1:]))(ids)
+    return (jnp.where(keep, x, 0.0) @ w,)
+
+
+def _conv(groups):
+    def block(x, w, kernel):
+        return (lax.conv_general_dilated(x, kernel, (1,), "SAME",
+                                         dimension_numbers=("NWC", "WIO", "NWC"),
+                                         feature_group_count=groups) @ w,)
+    return block
+
+
+def _while_not_differentiated(x, w):
+    n = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5),
+                       (0, jnp.abs(x[..., 0])))[1]
+    return (jnp.tanh(x @ w) * lax.stop_gradient(n)[..., None],)
+
+
+def _masked_attention(x, w, mask):
+    s = jnp.einsum("btd,bsd->bts", x, x @ w) + mask[:, 0]
+    return (jax.nn.softmax(s, -1) @ x,)
+
+
+PROBES = {
+    "rope_via_stack": (_rope_stack, ()),
+    "tile": (lambda x, w: (jnp.tile(x[..., :4], (1, 1, 2)) @ w,), ()),
+    "unstack": (lambda x, w: (sum(jnp.unstack(x, axis=1))[:, None] * x @ w,), ()),
+    "interp": (lambda x, w: (jnp.interp(x, jnp.linspace(-3, 3, 5),
+                                        jnp.linspace(0, 1, 5) ** 2) @ w,), ()),
+    "rnn_over_tokens": (_rnn_over_tokens, ()),
+    "fori_loop": (lambda x, w: (lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x),), ()),
+    "lax_map_over_rows": (lambda x, w: (lax.map(lambda r: jnp.tanh(r @ w), x),), ()),
+    "while_not_differentiated": (_while_not_differentiated, ()),
+    "dropout_typed_keys_per_row": (_dropout_keys, (jax.random.split(jax.random.key(3), 8),)),
+    "dropout_raw_keys_per_row": (_dropout_keys, (jax.random.split(jax.random.PRNGKey(3), 8),)),
+    "fold_in_row_ids": (_fold_in_ids, (jnp.arange(8, dtype=jnp.int32) * 7,)),
+    "fft_features": (lambda x, w: (jnp.real(jnp.fft.ifft(jnp.fft.fft(x, axis=-1) * 0.5,
+                                                         axis=-1)) @ w,), ()),
+    "rfft_features": (lambda x, w: (jnp.fft.irfft(jnp.fft.rfft(x, axis=-1), n=8, axis=-1) @ w,),
+                      ()),
+    "approx_max_k": (lambda x, w: (x * lax.approx_max_k(x, 2)[0][..., :1] @ w,), ()),
+    "mask_by_at_set_on_ones_like": (lambda x, w: ((x * jnp.ones_like(x).at[:, 0].set(0.0))
+                                                  @ w,), ()),
+    "vmapped_one_hot_scatter": (lambda x, w: ((x * jax.vmap(jax.vmap(
+        lambda i: jnp.zeros(8).at[i].set(1.0)))(jnp.argmax(x, -1))) @ w,), ()),
+    "depthwise_conv": (_conv(8), (jnp.ones((3, 1, 8)) * 0.3,)),
+    "grouped_conv": (_conv(2), (jnp.ones((3, 4, 8)) * 0.1,)),
+    "float_mask_bt1": (lambda x, w, m: (jnp.tanh(x @ w) * m,), (jnp.ones((8, 8, 1)),)),
+    "additive_mask_b11t": (_masked_attention, (jnp.zeros((8, 1, 1, 8)),)),
+    "adaln_conditioning_bd": (lambda x, w, c: ((x * (1 + c[:, None, :])) @ w,),
+                              (jnp.full((8, 8), 0.5),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_row_separable_probes_slice(name, monkeypatch):
+    from hifigrad._src import checkpoint as ck
+
+    monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)
+    block, extra = PROBES[name]
+    why = fb.check(block, _probe_args(*extra), 4)
+    assert why.startswith("sliced"), why
+
+
+@pytest.mark.parametrize("name, block, why", [
+    # keys made inside from one key: the slice would split that key into its own rows'
+    # keys, another mask than the whole batch's
+    ("split_of_one_key", lambda x, w: _dropout_keys(x, w, jax.random.split(jax.random.key(0),
+                                                                          x.shape[0])),
+     "random_split"),
+    ("fold_in_of_the_rows_position", lambda x, w: _fold_in_ids(
+        x, w, jnp.arange(x.shape[0], dtype=jnp.int32)), "iota"),
+    ("rnn_over_the_batch", lambda x, w: (lax.scan(lambda c, r: (jnp.tanh(c + r @ w),) * 2,
+                                                  jnp.zeros_like(x[0]), x)[1],),
+     "carries a value from row to row"),
+])
+def test_what_depends_on_other_rows_is_refused(name, block, why, monkeypatch):
+    from hifigrad._src import checkpoint as ck
+
+    monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)
+    got = fb.check(block, _probe_args(), 4)
+    assert not got.startswith("sliced") and why in got, got

@@ -214,8 +214,9 @@ _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
 # ------------------------------------------------------------------ the backward in slices
 
 # `backward_slices=None` (the default): the slice count when the backward's cotangents are
-# wider than the block's activations (a bf16 block's float32 backward), so that its working
-# set is no larger than the activations' own dtype's backward would hold; 1 otherwise.
+# wider than the activation-sized values the block computes (a bf16 block's float32
+# backward), so that its working set is no larger than their own dtype's backward would
+# hold; 1 otherwise (`_slice_count`).
 AUTO_SLICES = 4
 # A slice keeps at least this many rows (the product of its non-feature axes) for each
 # matmul: enough for tensor cores and a TPU's 128-wide MXU, and a loop of a few long
@@ -240,21 +241,53 @@ def _activations(encode, args) -> tuple[int | None, int | None, list[int]]:
     return batch, big, [i for i in acts if np.shape(args[i])[0] == batch]
 
 
-def _slice_count(slices, policy: Policy, batched) -> int:
-    """How many batch slices the recomputed backward runs in (1: all at once), from the
-    batched float inputs (the activations)."""
-    if not batched:
-        return 1
+def _slice_count(slices, policy: Policy, jaxpr, flat, big: int, batch: int
+                 ) -> tuple[int, str]:
+    """How many batch slices the recomputed backward runs in (1: at once), and why when 1.
+
+    Decided from what the float32 backward will hold, read off the block's program, not from
+    its arguments (a float32 mask, positions or a conditioning vector passed in changes
+    nothing): automatically (`slices` None), `AUTO_SLICES` when some activation-sized value
+    the block computes (at least as large as its largest activation, `flat[big]`: attention
+    scores, an MLP's hidden) is narrower than the tangent dtype, so that its cotangent
+    would be wider than the value itself; then as many as keep at least `MIN_SLICE_ROWS` rows
+    of the largest activation (its axes but the last) in each slice, dividing the batch."""
+    x = flat[big]
+    name = f"{jnp.result_type(x)}{list(np.shape(x))}"
     if slices is None:
         tangent = np.dtype(policy.tangent_dtype).itemsize
-        widest = max(np.dtype(jnp.result_type(a)).itemsize for a in batched)
-        slices = AUTO_SLICES if tangent > widest else 1
-    batch = np.shape(batched[0])[0]
-    rows = min(math.prod(np.shape(a)[:-1]) for a in batched)
+        size = np.size(x)
+        big_vals = [v.aval for v in _all_outvars(jaxpr)
+                    if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
+                    and math.prod(getattr(v.aval, "shape", ())) >= size]
+        narrow = [a for a in big_vals if np.dtype(a.dtype).itemsize < tangent]
+        if not narrow:
+            widest = max((np.dtype(a.dtype).itemsize for a in big_vals), default=0)
+            return 1, (f"one slice chosen: the block computes its activation-sized values "
+                       f"(as large as its largest activation, {name}) in "
+                       f"{8 * widest}-bit floats or wider, so its {policy.tangent_dtype} "
+                       f"backward holds no more than they do")
+        slices = AUTO_SLICES
+    rows = math.prod(np.shape(x)[:-1])
     k = int(slices)
     while k > 1 and (batch % k or rows // k < MIN_SLICE_ROWS):
         k -= 1
-    return k
+    if k <= 1:
+        why = ("one slice asked for (backward_slices=1)" if int(slices) == 1 else
+               f"one slice chosen: the largest activation, {name}, has {rows} rows (its axes "
+               f"but the last), fewer than 2 x {MIN_SLICE_ROWS} (each slice keeps "
+               f"{MIN_SLICE_ROWS} rows per matmul), or its batch of {batch} does not divide")
+        return 1, why
+    return k, ""
+
+
+def _all_outvars(jaxpr):
+    """Every variable the equations of `jaxpr` make, in its sub-jaxprs too (a scan's or a
+    jit's body: what the block computes)."""
+    for eqn in jaxpr.eqns:
+        yield from (v for v in eqn.outvars if not compat.is_dropvar(v))
+        for sub in compat.jaxprs_in_params(eqn.params):
+            yield from _all_outvars(compat.jaxpr_and_consts(sub)[0])
 
 
 class _SlicePlan:
@@ -350,11 +383,10 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
     batch, big, same = _activations(encode, flat)
     if batch is None:
         return None, "no activation to slice (no encoded float input of two or more axes)"
-    k = _slice_count(slices, policy, [flat[i] for i in same])
-    if k <= 1:
-        return None, ("one slice asked for or chosen (a backward no wider than the saved "
-                      f"activations, or fewer than 2 x {MIN_SLICE_ROWS} rows of its matmuls)")
     jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
+    k, why_one = _slice_count(slices, policy, jaxpr, flat, big, batch)
+    if k <= 1:
+        return None, why_one
     n = len(flat) + len(consts)
     first = None
     for seeds in ([same, [big]] if len(same) > 1 else [same]):
@@ -1057,8 +1089,9 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
         cotangents for memory. Slicing happens only where the block's program is proven
         separable along that axis (no batch statistics, no mixing of rows), else the
         backward runs at once; a slice keeps at least 256 rows per matmul. ``None``
-        (default): 4 when the backward's cotangents are wider than the encoded inputs (a
-        bf16 block's float32 backward), else 1; ``1``: never slice.
+        (default): 4 when the backward's cotangents are wider than the activation-sized
+        values the block computes (a bf16 block's float32 backward; masks, positions or
+        other inputs of any dtype do not count), else 1; ``1``: never slice.
       encode_argnums: which positional arguments hold the activations to encode (an int or
         a sequence of ints; negative ones count from the end); the float leaves of the
         others are saved as they are, like values `fun` closes over. ``None`` (default):
