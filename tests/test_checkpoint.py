@@ -676,7 +676,8 @@ _MAKERS = {
     (dict(f=None), TypeError, "expected a function to checkpoint; got None"),
     (dict(backward_slices=0), ValueError, "backward_slices must be None .* got 0"),
     (dict(backward_slices=-3), ValueError, "backward_slices must be None .* got -3"),
-    (dict(codec=hg.codecs.DelayedFP8Codec()), TypeError, "codec .* uses delayed scaling.*codec_state"),
+    (dict(codec=hg.codecs.DelayedFP8Codec()), TypeError,
+     "codec .* uses delayed scaling.*codec_state"),
     (dict(policy=jax.checkpoint_policies.nothing_saveable), TypeError,
      "`policy` is a hifigrad.Policy"),
 ])
@@ -703,7 +704,7 @@ def test_checkpoint_passes_keyword_arguments_as_jax_checkpoint_does(maybe_jit):
 
     x = jnp.linspace(-1, 1, 8).reshape(2, 4)
     for ck in (jax.checkpoint(f), hg.checkpoint(f, "none")):
-        g = maybe_jit(jax.grad(lambda x, s: jnp.sum(ck(x, scale=s)), (0, 1)))(x, 2.0)
+        g = maybe_jit(jax.grad(lambda x, s, ck=ck: jnp.sum(ck(x, scale=s)), (0, 1)))(x, 2.0)
         np.testing.assert_allclose(g[0], 2.0 * (1 - jnp.tanh(x) ** 2), rtol=1e-6)
         np.testing.assert_allclose(g[1], jnp.sum(jnp.tanh(x)), rtol=1e-6)
 
