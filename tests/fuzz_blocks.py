@@ -281,7 +281,8 @@ MIXING = {
     "dropout_one_key": lambda x, p: jnp.where(
         jax.random.bernoulli(jax.random.key(0), 0.75, x.shape), x / 0.75, 0.0),
     "fft_b": lambda x, p: jnp.fft.irfft(
-        jnp.fft.rfft(x, axis=0) * jnp.arange(1, B // 2 + 2, dtype=x.dtype)[:, None, None],
+        jnp.fft.rfft(x, axis=0)
+        * jnp.arange(1, B // 2 + 2).astype(jnp.complex64)[:, None, None],
         n=x.shape[0], axis=0),
     "stack_b": lambda x, p: jnp.stack([x[::2], x[1::2]], 1).reshape(x.shape),
 }
