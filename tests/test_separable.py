@@ -658,7 +658,10 @@ def _fuzz(n, seed, monkeypatch):
     for i in range(n):
         ops, layout, k = _program(rng)
         try:
-            why = fb.check(fb.make_block(ops, layout), fb.args(i), k, seed=i)
+            # float32 matmuls (a TPU's default is one bf16 pass, rounded otherwise at another
+            # batch size: an RNN over 8 steps was off by 7e-4 there, a precision artifact)
+            with highest_precision():
+                why = fb.check(fb.make_block(ops, layout), fb.args(i), k, seed=i)
         except AssertionError as e:
             raise AssertionError(f"program {i} of seed {seed}: ops {ops}, layout {layout}, "
                                  f"k={k}: {e}") from e
