@@ -35,9 +35,10 @@ less the batch's and the dropout key's, over the parameter count):
 * ``sr+bf16``, ``sr+8bit``, ``sr+4bit``: `stochastic_rounding(adamw(moments=...))`.
 
 Per configuration: validation loss after the main phase and after the late phase; the late
-gain (the first minus the second) as a fraction of the float32 master's (the mean over its
-seeds); whether the final loss lies within the float32 master's seeds' spread; the fraction
-of parameter elements the late phase changed.
+gain (the first minus the second) as a fraction of the float32 master's (its seed 0: the
+same initialization and batches; and of its seeds' mean); whether the final loss lies within
+the float32 master's seeds' spread; the fraction of parameter elements the late phase
+changed.
 
 Run from the repository root (about 45 minutes on 2 CPU cores)::
 
@@ -413,9 +414,10 @@ def main(argv=None):
 
 def summary(runs) -> dict:
     """Per configuration: bytes, final loss, late gain and its fraction of the float32
-    master's (the mean of its seeds'), within the float32 seeds' final spread."""
+    master's (seed 0's, and its seeds' mean), within the float32 seeds' final spread."""
     ref = runs["f32-master"]
-    ref_gain = float(np.mean([r["late_gain"] for r in ref]))
+    ref_gain = ref[0]["late_gain"]   # seed 0: the same initialization and batches
+    mean_gain = float(np.mean([r["late_gain"] for r in ref]))
     lo, hi = min(r["val"] for r in ref), max(r["val"] for r in ref)
     out = {}
     for config, rs in runs.items():
@@ -423,10 +425,12 @@ def summary(runs) -> dict:
         out[config] = {
             "bytes": r["bytes_per_param"], "val_main": r["val_main"], "val": r["val"],
             "gain": r["late_gain"], "fraction": r["late_gain"] / ref_gain,
-            "moved": r["moved"], "within": lo - 1e-9 <= r["val"] <= hi + 1e-9,
+            "fraction_of_mean": r["late_gain"] / mean_gain,
+            "moved": r["moved"], "delta": r["val"] - ref[0]["val"],
+            "within": lo - 1e-9 <= r["val"] <= hi + 1e-9,
             "above": r["val"] > hi + 1e-9}
-    out["_ref"] = {"gain": ref_gain, "lo": lo, "hi": hi,
-                   "fractions": [r["late_gain"] / ref_gain for r in ref],
+    out["_ref"] = {"gain": ref_gain, "mean_gain": mean_gain, "lo": lo, "hi": hi,
+                   "gains": [r["late_gain"] for r in ref],
                    "val_mean": float(np.mean([r["val"] for r in ref]))}
     return out
 
@@ -444,9 +448,11 @@ def write(result, out_dir):
              "configuration keeping its own state. *B/param*: bytes of parameters and "
              "optimizer state per parameter, from the compiled step's "
              "`memory_analysis().argument_size_in_bytes` less the batch's and the key's. "
-             "*val*: validation loss (nats per byte, or per token) after the main phase and "
-             "after the late phase; *late gain*: the first minus the second, and as a "
-             "fraction of the float32 master's (the mean of its seeds' gains); *within "
+             "*val*: validation loss (nats per byte) after the main phase and after the late "
+             "phase, and the final one less the float32 master's (seed 0: the same "
+             "initialization, batches and dropout as every configuration); *late gain*: the "
+             "first val minus the second, and as a fraction of the float32 master's (seed 0) "
+             "and of the mean of its seeds' gains; *within "
              "spread*: whether the final loss lies within the float32 master's seeds' "
              "(\"below\": lower than every seed's); *moved*: the fraction of parameter "
              "elements the late phase changed.", ""]
@@ -455,29 +461,32 @@ def write(result, out_dir):
         sm = result["summary"][model]
         ref = sm["_ref"]
         rows = []
-        for config, rs in runs.items():
+        for config in runs:
             s = sm[config]
-            if config == "f32-master":
-                vals = [r["val"] for r in rs]
-                val = f"{np.mean(vals):.4f} ({ref['lo']:.4f}-{ref['hi']:.4f})"
-                frac = (f"1.00 ({min(ref['fractions']):.2f}-{max(ref['fractions']):.2f})")
+            if config == "f32-master":   # seed 0, and all its seeds' spread
+                val = f"{s['val']:.4f} (seeds {ref['lo']:.4f}-{ref['hi']:.4f})"
+                gain = (f"{s['gain']:+.4f} (seeds {min(ref['gains']):+.4f}-"
+                        f"{max(ref['gains']):+.4f})")
                 within = "-"
             else:
-                val = f"{s['val']:.4f}"
-                frac = f"{s['fraction']:.2f}"
+                val, gain = f"{s['val']:.4f}", f"{s['gain']:+.4f}"
                 within = "yes" if s["within"] else ("above" if s["above"] else "below")
             rows.append([config, f"{s['bytes']:.2f}", f"{s['val_main']:.4f}", val,
-                         f"{s['gain']:+.4f}", frac, within, f"{s['moved']:.3f}"])
+                         f"{s['delta']:+.4f}", gain, f"{s['fraction']:.2f}",
+                         f"{s['fraction_of_mean']:.2f}", within, f"{s['moved']:.3f}"])
             if config != "f32-master":
                 checks.append((model, config, s))
         lines += [f"## {model}", "", md_table(
-            ["configuration", "B/param", "val (main)", "val (final)", "late gain",
-             "gain / f32-master's", "within spread", "moved"], rows), ""]
+            ["configuration", "B/param", "val (main)", "val (final)", "- f32-master's",
+             "late gain", "/ f32-master's", "/ seeds' mean", "within spread", "moved"],
+            rows), ""]
+    # bytes to two decimals: the step counts (4 to 12 bytes in all) are not per parameter
     ok = [f"{m} {c} ({s['bytes']:.2f} B)" for m, c, s in checks
-          if s["bytes"] <= TARGET_BYTES + 1e-6 and s["fraction"] >= 0.9 and not s["above"]]
-    lines += [f"Configurations at most {TARGET_BYTES:g} bytes per parameter that keep at least "
-              "0.9 of the float32 master's late gain and end within (or below) its seeds' "
-              "spread: " + (", ".join(ok) or "none") + ".", ""]
+          if round(s["bytes"], 2) <= TARGET_BYTES and s["fraction"] >= 0.9 and not s["above"]]
+    lines += [f"Configurations at most {TARGET_BYTES:g} bytes per parameter (to two decimals: "
+              "the step counts, a few bytes in all, aside) that keep at least 0.9 of the "
+              "float32 master's late gain and end within (or below) its seeds' spread: " +
+              (", ".join(ok) or "none") + ".", ""]
     plot(result, os.path.join(out_dir, "optim_curves.png"))
     lines += ["![loss curves](optim_curves.png)", ""]
     lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
@@ -489,10 +498,15 @@ def write(result, out_dir):
 def _plot_deltas(ax, curves, ref, title, start: int = 0, k: int = 15):
     """Each configuration's loss curve minus `ref`, smoothed over `k` steps: ``curves`` maps a
     configuration to (its losses, its legend label)."""
+    import matplotlib.pyplot as plt
+
     ref = np.asarray(ref)
-    for config, (losses, label) in curves.items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (config, (losses, label)) in enumerate(curves.items()):
         y = np.convolve(np.asarray(losses) - ref, np.ones(k) / k, mode="valid")
+        # tab20's dark shades, then its light ones: 20 distinct colours
         ax.plot(np.arange(len(y)) + start + k, y, label=label,
+                color=colors[(2 * i) % 20 + (2 * i) // 20],
                 linewidth=2 if config in ("f32-master", "naive-bf16") else 1.2,
                 linestyle="--" if config == "naive-bf16" else "-")
     ax.axhline(0, color="black", linewidth=0.8)
@@ -513,12 +527,12 @@ def plot(result, path):
     fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8.4), squeeze=False)
     for col, model in enumerate(models):
         runs = result["models"][model]
-        ref = np.mean([r["losses"] for r in runs["f32-master"]], axis=0)
+        # against the float32 master's seed 0: the same initialization, batches and dropout
+        ref = np.asarray(runs["f32-master"][0]["losses"])
         curves = {c: (rs[0]["losses"], f"{c} ({rs[0]['bytes_per_param']:.1f} B)")
                   for c, rs in runs.items()}
         _plot_deltas(axes[0, col], {c: (v[0][:steps], v[1]) for c, v in curves.items()},
-                     ref[:steps], f"{model}: training loss minus the float32 master's "
-                     "(mean of seeds)")
+                     ref[:steps], f"{model}: training loss minus the float32 master's")
         if result["late_steps"]:
             _plot_deltas(axes[1, col], {c: (v[0][steps:], v[1]) for c, v in curves.items()},
                          ref[steps:], f"{model}, late phase (lr {result['late_lr']:g})",
