@@ -33,7 +33,13 @@ QUICK_K ?= not eager
 QUICK ?= tests/test_api.py tests/test_checkpoint.py tests/test_compress.py tests/test_policy.py \
 	tests/test_dtypes.py tests/test_interpreter.py tests/test_readme.py
 
-.PHONY: demo test test-quick test-subset test-slow bench lint venv pins clean
+# The policy's choices on a TPU, taken on this machine (HIFIGRAD_PLATFORM=tpu: 'auto' resolves
+# as on a TPU, coefficients 'tangent' and matmul 'fast'): the modules of the batch-sliced
+# backward and its fuzzers, jitted. CI runs it on one lane (.ci/run).
+TPU_CHOICES ?= tests/test_checkpoint.py tests/test_compress.py tests/test_separable.py \
+	tests/test_resize.py tests/test_primitives.py tests/test_policy.py
+
+.PHONY: demo test test-quick test-subset test-slow test-tpu-choices bench lint venv pins clean
 
 venv: $(STAMP)
 
@@ -66,6 +72,9 @@ test-quick: $(STAMP)
 
 test-subset: $(STAMP)
 	$(VENV)/bin/python -m pytest $(SUBSET) -k "$(SUBSET_K)" $(PYTEST_ARGS)
+
+test-tpu-choices: $(STAMP)
+	HIFIGRAD_PLATFORM=tpu $(VENV)/bin/python -m pytest $(TPU_CHOICES) -k "not eager" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)

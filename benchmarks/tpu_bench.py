@@ -14,6 +14,10 @@ Sections (``--sections``, comma-separated):
   ``hg.compress_checkpoints`` of the baseline: peak temp bytes
   (``compile().memory_analysis().temp_size_in_bytes``) and median step time of ``--steps``
   calls after a warm-up, each as a ratio to the baseline.
+* ``gpt_policy``: the GPT's bf16 remat scan against ``hg.compress_checkpoints`` of it (int8,
+  none) under ``hg.grad`` with each policy (default, coefficients forward / tangent, exact
+  matmuls) and under ``jax.grad``, at 12 and 24 blocks, with each row's ``hg.slice_report``;
+  at 12 blocks also bf16 ``jax.grad`` against ``hg.grad`` per policy (`bench_gpt_policy`).
 * ``gpt``: the scanned GPT of benchmarks/gpu_bench.py (bf16 model, bf16 carry for jax.grad /
   hg.grad, float32 master parameters): ``jax.grad`` vs ``hg.grad`` (default policy) at
   ``--gpt-blocks``, and at ``--gpt-compress-blocks`` the bf16 remat scan vs
@@ -305,6 +309,54 @@ def bench_gpt(rep, args):
         step_rows(rep, section, rows, (params, toks, tgts), args.steps, base)
 
 
+_POLICIES = {
+    "default": None,
+    "forward": hg.Policy(coefficients="forward"),
+    "tangent": hg.Policy(coefficients="tangent"),
+    # what a checkpoint's recomputed backward ran before the transform's policy reached it
+    # (issue 51): exact matmuls
+    "exact": hg.Policy(matmul="exact"),
+}
+
+
+def bench_gpt_policy(rep, args):
+    """The GPT at each of ``--policy-blocks``: the bf16 remat scan (the baseline) against
+    `hg.compress_checkpoints` of it (``--policy-codecs``) under ``hg.grad`` with each policy of
+    ``--policies`` (`_POLICIES`) and under ``jax.grad``; at the first block count also bf16
+    ``jax.grad`` without remat against ``hg.grad`` of it. Each row's `hg.slice_report` is
+    printed (``sliced`` in the table: how many checkpoints sliced)."""
+    H = args.gpt_heads
+    for n, L in enumerate(int(b) for b in args.policy_blocks.split(",")):
+        params = gb.gpt_init(jax.random.key(3), blocks=L, d=args.gpt_d, mlp=4, vocab=args.vocab)
+        k1, k2 = jax.random.split(jax.random.key(4))
+        toks = jax.random.randint(k1, (args.batch, args.seq), 0, args.vocab)
+        tgts = jax.random.randint(k2, (args.batch, args.seq), 0, args.vocab)
+        section = f"gpt_policy_{L}"
+        print(f"\n== {section}: {L} blocks, d={args.gpt_d}, {args.batch}x{args.seq} tokens",
+              flush=True)
+        remat = make_gpt_remat(H)
+        rows = [("jax.grad bf16 remat scan", functools.partial(jax.grad, remat))]
+        for codec in args.policy_codecs.split(","):
+            f = hg.compress_checkpoints(remat, codec)
+            rows.append((f"jax.grad compress_checkpoints {codec}", functools.partial(jax.grad, f)))
+            for pol in args.policies.split(","):
+                policy = _POLICIES[pol]
+                rows.append((f"hg.grad compress_checkpoints {codec} {pol}",
+                             functools.partial(hg.grad, f, policy=policy)))
+        if n == 0:
+            plain = gb.make_gpt_loss(heads=H)
+            rows.append(("jax.grad bf16", functools.partial(jax.grad, plain)))
+            for pol in args.policies.split(","):
+                rows.append((f"hg.grad bf16 {pol}",
+                             functools.partial(hg.grad, plain, policy=_POLICIES[pol])))
+        for name, build in rows:
+            if "compress" in name:
+                report = hg.slice_report(build(), params, toks, tgts)
+                print(f"[{section}] {name}: {report}", flush=True)
+        step_rows(rep, section, rows, (params, toks, tgts), args.steps,
+                  "jax.grad bf16 remat scan")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="codecs,mlp,gpt")
@@ -327,6 +379,9 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--policy-blocks", default="12,24")
+    ap.add_argument("--policy-codecs", default="int8,none")
+    ap.add_argument("--policies", default="default,forward,tangent,exact")
     ap.add_argument("--out-dir", default=None)
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
@@ -334,7 +389,8 @@ def main(argv=None):
                                 and a != args.out_dir])
     print(rep.env, flush=True)
     for sec in args.sections.split(","):
-        {"codecs": bench_codecs, "mlp": bench_mlp, "gpt": bench_gpt}[sec](rep, args)
+        {"codecs": bench_codecs, "mlp": bench_mlp, "gpt": bench_gpt,
+         "gpt_policy": bench_gpt_policy}[sec](rep, args)
     print("\n" + rep.markdown())
     print(f"\ntpu_bench done in {time.time() - rep.t0:.0f} s")
 

@@ -21,7 +21,8 @@
 #
 # Environment: SUITE_S (whole-suite limit, default 480 s: SIGINT, so pytest still writes the
 # junit file), TEST_TIMEOUT_S (per test, default 150, needs pytest-timeout), TESTS (default
-# tests), PYTEST_EXTRA (more pytest arguments, e.g. -k ...), DEPS=0 (install nothing),
+# tests), PYTEST_EXTRA (more pytest arguments, split on spaces), PYTEST_K (a -k expression, kept
+# whole: PYTEST_K="not eager" runs each case jitted only), DEPS=0 (install nothing),
 # BENCH=1 (after the suite: python3 benchmarks/tpu_bench.py $BENCH_ARGS into $OUT).
 # Optional packages (flax, optax, pytest-timeout, and the demo's rich and matplotlib; the tests
 # that need others skip) install from
@@ -84,6 +85,7 @@ say "== [$(now) s] suite chunk $CHUNK: pytest ${TIMEOUT_ARG[*]} $TESTS ${PYTEST_
 HIFIGRAD_TEST_CHUNK=$CHUNK timeout -s INT -k "$KILL_AFTER_S" "$SUITE_S" \
   $PY -m pytest -p no:cacheprovider -rfE --durations=15 "${TIMEOUT_ARG[@]}" \
   --junitxml="$OUT/junit-$TAG.xml" --ignore=tests/test_distributed.py $TESTS ${PYTEST_EXTRA:-} \
+  ${PYTEST_K:+-k "$PYTEST_K"} \
   > "$OUT/pytest-$TAG.log" 2>&1
 rc=$?
 PHASES+=("suite $CHUNK rc=$rc $(( $(now) - t )) s")

@@ -45,7 +45,7 @@ from jax.tree_util import tree_flatten, tree_leaves
 
 from ._src.checkpoint import check_save, checkpoint_call, is_float_array
 from ._src.codecs import get_codec
-from ._src.policy import Policy, resolve_policy
+from ._src.policy import Policy, resolve_checkpoint_policy, resolve_policy
 
 __all__ = ["grad", "remat_scan", "scan_layers", "value_and_grad"]
 
@@ -56,7 +56,7 @@ def _check_policy(policy) -> Policy:
             "hifigrad.flax.remat_scan: `policy` is a hifigrad.Policy for the recomputed "
             "backward; a jax.checkpoint policy does not apply (every block is recomputed from "
             f"its encoded input). Got {policy!r}.")
-    return resolve_policy(policy)
+    return resolve_checkpoint_policy(policy)
 
 
 def _encoded_remat(fn: Callable, codec, policy: Policy, save: str):

@@ -144,6 +144,53 @@ def _attention(x, p):
     return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), x)
 
 
+def _rope_stack(x):
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    th = jnp.arange(x.shape[1], dtype=x.dtype)[None, :, None] * 0.3
+    c, s = jnp.cos(th), jnp.sin(th)
+    return jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).reshape(x.shape)
+
+
+def _rnn_t(x, p):
+    def cell(c, xt):
+        c = jnp.tanh(c @ p["w"] * 0.5 + xt)
+        return c, c
+
+    ys = lax.scan(cell, jnp.zeros_like(x[:, 0]), jnp.swapaxes(x, 0, 1))[1]
+    return jnp.swapaxes(ys, 0, 1)
+
+
+def _dropout_pos(x, p):
+    """Dropout with a key per token folded in from its position (sliced with the rows)."""
+    keys = jax.vmap(jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i)))(p["pos"])
+    keep = jax.vmap(jax.vmap(lambda k: jax.random.bernoulli(k, 0.75, x.shape[-1:])))(keys)
+    return jnp.where(keep, x / 0.75, 0.0)
+
+
+def _moe_dense(x, p, experts: int = 4, k: int = 2):
+    """Dropless top-k routing as MaxText's dense path: per token, the top-k expert weights
+    scattered into a [B, T, E] array by (row position, token position, expert), then every
+    expert's output weighted by them."""
+    logits = x @ p["w"][:, :experts]
+    top_w, top_i = lax.top_k(logits, k)
+    b, t = x.shape[:2]
+    weights = jnp.zeros((b, t, experts), x.dtype).at[
+        (jnp.arange(b)[:, None, None], jnp.arange(t)[:, None], top_i)].set(
+            jax.nn.softmax(top_w, -1))
+    outs = jnp.stack([jnp.tanh(x * (e + 1) * 0.5) for e in range(experts)], -2)
+    return jnp.einsum("bte,bted->btd", weights, outs)
+
+
+def _moe_global_capacity(x, p, experts: int = 4, capacity: int = 20):
+    """Top-1 routing with a capacity over the whole batch's tokens (a cumsum over the
+    flattened batch): which tokens are dropped depends on the other rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    choice = jnp.argmax(flat @ p["w"][:, :experts], -1)
+    onehot = jax.nn.one_hot(choice, experts, dtype=x.dtype)
+    kept = (jnp.cumsum(onehot, 0) * onehot).sum(-1) <= capacity
+    return (flat * kept[:, None].astype(x.dtype)).reshape(x.shape)
+
+
 def _take_t(x, p):
     idx = jnp.broadcast_to((p["pos"] * 3 % x.shape[1])[..., None], x.shape)
     return jnp.take_along_axis(x, idx, axis=1)
@@ -211,6 +258,26 @@ ROWWISE = {
         [lax.dynamic_slice_in_dim(x, 2, T - 2, 1), x[:, :2]], 1),
     "flat_token_rows": lambda x, p: jnp.tanh(x.reshape(B * T, D)).reshape(x.shape),
     "reduce_all_but_b": lambda x, p: x / (1.0 + jnp.sum(x ** 2, axis=(1, 2), keepdims=True)),
+    # issue 45's families: named primitives (RoPE by stack, tile, unstack), transforms along
+    # the features, loops with the batch in the carry, per-row randomness, one-hot scatters
+    "rope_stack": lambda x, p: _rope_stack(x),
+    "tile_d": lambda x, p: jnp.tile(x[..., :D // 2], (1, 1, 2)),
+    "unstack_t": lambda x, p: jnp.stack(jnp.unstack(x, axis=1)[::-1], axis=1),
+    "fft_d": lambda x, p: jnp.fft.irfft(jnp.fft.rfft(x, axis=-1) * 0.5, n=x.shape[-1], axis=-1),
+    "rnn_t": lambda x, p: _rnn_t(x, p),
+    "fori_d": lambda x, p: lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ p["w"]), x),
+    "map_rows": lambda x, p: lax.map(lambda r: jnp.sin(r @ p["w"]), x),
+    "dropout_pos": lambda x, p: _dropout_pos(x, p),
+    "one_hot_max": lambda x, p: x * jax.nn.one_hot(jnp.argmax(x, -1), x.shape[-1], dtype=x.dtype),
+    "ones_like_set": lambda x, p: x * jnp.ones_like(x).at[:, 0].set(0.5),
+    # a row's position as an index (`x[arange(B), idx]`, MaxText's dense MoE routing weights)
+    "pick_by_row_index": lambda x, p: x * x[jnp.arange(x.shape[0])[:, None],
+                                            jnp.arange(x.shape[1])[None, :],
+                                            jnp.argmax(x, -1)][..., None],
+    "moe_dense_topk": lambda x, p: _moe_dense(x, p),
+    "depthwise_conv_t": lambda x, p: lax.conv_general_dilated(
+        x, p["w"][:3, None, :], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=x.shape[-1]),
 }
 
 MIXING = {
@@ -238,6 +305,17 @@ MIXING = {
     "gather_b_by_pos": lambda x, p: x + x[p["pos"][:, 0] % B],
     "max_b": lambda x, p: x - x.max(0, keepdims=True),
     "times_min_b": lambda x, p: x * jnp.min(x, axis=0, keepdims=True),
+    "rnn_b": lambda x, p: lax.scan(lambda c, r: (jnp.tanh(c + r), jnp.tanh(c + r)),
+                                   jnp.zeros_like(x[0]), x)[1],
+    "dropout_one_key": lambda x, p: jnp.where(
+        jax.random.bernoulli(jax.random.key(0), 0.75, x.shape), x / 0.75, 0.0),
+    "fft_b": lambda x, p: jnp.fft.irfft(
+        jnp.fft.rfft(x, axis=0)
+        * jnp.arange(1, B // 2 + 2).astype(jnp.complex64)[:, None, None],
+        n=x.shape[0], axis=0),
+    "stack_b": lambda x, p: jnp.stack([x[::2], x[1::2]], 1).reshape(x.shape),
+    "iota_b_mask": lambda x, p: x * (jnp.arange(x.shape[0]) < 3)[:, None, None].astype(x.dtype),
+    "moe_global_capacity": lambda x, p: _moe_global_capacity(x, p),
 }
 
 # The chooser family (issue 45: a wrong gradient on jax 0.12 that only compiled programs show):

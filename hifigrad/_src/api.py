@@ -44,8 +44,8 @@ from .dtypes import (
     promoted_dtype,
 )
 from .interpreter import Interpreter, RuleTable, fallback_site, site_of
-from .policy import Policy, resolve_policy
-from .rules import PROMOTE
+from .policy import Policy, active_policy, resolve_policy
+from .rules import PROMOTE, PROMOTED_REGION
 
 __all__ = ["vjp", "grad", "value_and_grad", "precise_backward"]
 
@@ -87,10 +87,12 @@ def _vjp_flat(fun_flat: Callable, diff_vals: list, policy: Policy, has_aux: bool
     (outs, backward Partial, aux)."""
     traced = any(isinstance(x, jax.core.Tracer) for x in diff_vals)
     fun_flat = _forward_transform(fun_flat, policy, has_aux, traced)
-    if has_aux:
-        outs, lin, aux = jax.linearize(fun_flat, *diff_vals, has_aux=True)
-    else:
-        (outs, lin), aux = jax.linearize(fun_flat, *diff_vals), None
+    # Checkpoints made without a policy of their own take this one (`policy.INHERIT`).
+    with active_policy(policy):
+        if has_aux:
+            outs, lin, aux = jax.linearize(fun_flat, *diff_vals, has_aux=True)
+        else:
+            (outs, lin), aux = jax.linearize(fun_flat, *diff_vals), None
     res, lin_tree = tree_flatten(lin)
 
     def lin_call(res, ts):
@@ -127,8 +129,9 @@ def _backward(static: _Static, res_and_consts: list, cts: list) -> list:
     keep = [_is_inexact(a.dtype) for a in static.out_avals]
     cts = [lax.convert_element_type(c, d) if is_real_float(d) else c
            for c, d, k in zip(cts, out_up, keep) if k]
-    # Fallback warnings name a primitive once per differentiated function (`static.site`).
-    with fallback_site(getattr(static, "site", None)):
+    # Fallback warnings name a primitive once per differentiated function (`static.site`);
+    # a checkpoint first traced in the backward (inside a user's bwd) takes its policy.
+    with fallback_site(getattr(static, "site", None)), active_policy(policy):
         if not any(isinstance(x, jax.core.Tracer) for x in [*res_and_consts, *cts]):
             # Eager: the backward program depends only on the linear program, the inputs'
             # avals and the policy, so it is traced once and replayed (`_backward_program`).
@@ -704,6 +707,31 @@ def precise_backward(fun: Callable, *, tangent_dtype=None, policy: Policy | None
     return wrapped
 
 
+# ------------------------------------------------------------------------------ own backwards
+
+def promoted_region(backward: Callable, cts, policy: Policy):
+    """``backward(cts)``, for a backward hifigrad built itself in ``policy``'s tangent dtype (a
+    compressed checkpoint's, a `precise_backward`'s), with each float cotangent up-cast first.
+
+    Under a trace it is staged as a call named `PROMOTED_REGION`: an enclosing hifigrad
+    transform, which traces this custom rule at its declared (low-precision) dtypes and then
+    promotes what it traced (`rules.custom_lin_rule`), re-binds such a call as it is
+    (`rules.inline_rule`). Promoting it again would undo what the backward chose on purpose
+    (``Policy(matmul='fast')`` rounds a cotangent to bf16 for a bf16 x bf16 matmul: promoted,
+    that is a float32 matmul again)."""
+    flat, tree = tree_flatten(cts)
+    up = [lax.convert_element_type(c, promoted_dtype(c.dtype, policy.tangent_dtype))
+          if is_real_float(_dtype_of(c)) else c for c in flat]
+    if not any(isinstance(c, jax.core.Tracer) for c in up):
+        return backward(tree_unflatten(tree, up))
+
+    def hifigrad_promoted_backward(up):
+        return backward(tree_unflatten(tree, up))
+
+    assert hifigrad_promoted_backward.__name__ == PROMOTED_REGION
+    return jax.jit(hifigrad_promoted_backward)(up)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _precise_call(fun_flat, policy_site, args, consts):
     return fun_flat(*args, *consts)
@@ -728,9 +756,10 @@ def _precise_fwd(fun_flat, policy_site, args, consts):
 
 
 def _precise_bwd(fun_flat, policy_site, vjp_fn, cts):
-    del fun_flat, policy_site
+    del fun_flat
     info: _VjpInfo = vjp_fn.func.args[0]
-    cts_in = tree_flatten(vjp_fn(list(cts)))[0]
+    cts_in = tree_flatten(promoted_region(lambda c: vjp_fn(list(c)), list(cts),
+                                          policy_site[0]))[0]
     # JAX requires each cotangent in its input's dtype at this boundary.
     cast = [lax.convert_element_type(c, a.dtype) if _is_diff(c) else c
             for c, a in zip(cts_in, info.in_avals)]

@@ -69,10 +69,10 @@ from jax.tree_util import tree_flatten, tree_unflatten
 
 from . import compat
 from .codecs import Codec, Encoded, get_codec
-from .policy import Policy, resolve_policy
+from .policy import Policy, effective_policy, resolve_checkpoint_policy
 from .separable import call_jaxpr as _call_jaxpr
 
-__all__ = ["checkpoint", "scan"]
+__all__ = ["SliceWarning", "checkpoint", "scan"]
 
 _SAVE = ("inputs", "residuals")
 
@@ -98,6 +98,29 @@ def check_slices(backward_slices):
         raise ValueError(f"backward_slices must be None (automatic) or a positive int (1: never "
                          f"slice the backward); got {backward_slices!r}.")
     return int(backward_slices)
+
+
+def check_checkpoint_args(where: str, fun, codec, policy, tangent_dtype, save: str,
+                          backward_slices, *, stateful: bool = False):
+    """The arguments every compressed checkpoint takes (`checkpoint`, `scan`,
+    `compress_checkpoints`), checked where it is made, with the same messages: returns
+    ``(codec, policy, save, backward_slices)`` resolved. `stateful`: a delayed-scaling codec
+    is allowed (`scan` threads its state)."""
+    if not callable(fun):
+        raise TypeError(f"{where}: expected a function to checkpoint; got {fun!r}.")
+    codec = get_codec(codec)
+    if _is_stateful(codec) and not stateful:
+        raise TypeError(
+            f"{where}: codec {codec.name!r} uses delayed scaling, whose state the caller "
+            f"threads through training; use hifigrad.scan(..., codec_state=...) for it, or a "
+            f"current-scaling codec such as 'fp8_e4m3'.")
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(
+            f"{where}: `policy` is a hifigrad.Policy for the recomputed backward (a "
+            f"jax.checkpoint policy does not apply: the block is recomputed from its encoded "
+            f"inputs); got {policy!r}.")
+    return (codec, resolve_checkpoint_policy(policy, tangent_dtype), check_save(save),
+            check_slices(backward_slices))
 
 
 def is_float_array(x) -> bool:
@@ -155,15 +178,23 @@ jax.tree_util.register_pytree_node(_Dtypes, lambda d: ((), d.dtypes),
 
 
 def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
+    from .api import promoted_region
+
     saved, consts, dtypes, state = res
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
     n = len(args)
-    if plan is not None:  # a `_SlicePlan`: the backward in batch slices
-        cts_in = _sliced_backward(plan, policy, args, consts, cts)
-        if checking_slices(policy):
-            cts_in = _checked(plan, cts_in, _whole_backward(fun_flat, policy, args, consts, cts))
-    else:  # the whole block's backward at once
-        cts_in = _whole_backward(fun_flat, policy, args, consts, cts)
+
+    def backward(cts):
+        if plan is not None:  # a `_SlicePlan`: the backward in batch slices
+            cts_in = _sliced_backward(plan, policy, args, consts, cts)
+            if checking_slices(policy):
+                cts_in = _checked(plan, cts_in,
+                                  _whole_backward(fun_flat, policy, args, consts, cts), cts)
+            return cts_in
+        return _whole_backward(fun_flat, policy, args, consts, cts)  # at once
+
+    # Built in the tangent dtype already: not promoted again by an enclosing hg.grad.
+    cts_in = promoted_region(backward, cts, policy)
     args_ct, consts_ct = _input_cotangents(cts_in, dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state).
     return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
@@ -183,8 +214,9 @@ _ckpt.defvjp(_ckpt_fwd, _ckpt_bwd)
 # ------------------------------------------------------------------ the backward in slices
 
 # `backward_slices=None` (the default): the slice count when the backward's cotangents are
-# wider than the block's activations (a bf16 block's float32 backward), so that its working
-# set is no larger than the activations' own dtype's backward would hold; 1 otherwise.
+# wider than the activation-sized values the block computes (a bf16 block's float32
+# backward), so that its working set is no larger than their own dtype's backward would
+# hold; 1 otherwise (`_slice_count`).
 AUTO_SLICES = 4
 # A slice keeps at least this many rows (the product of its non-feature axes) for each
 # matmul: enough for tensor cores and a TPU's 128-wide MXU, and a loop of a few long
@@ -209,21 +241,53 @@ def _activations(encode, args) -> tuple[int | None, int | None, list[int]]:
     return batch, big, [i for i in acts if np.shape(args[i])[0] == batch]
 
 
-def _slice_count(slices, policy: Policy, batched) -> int:
-    """How many batch slices the recomputed backward runs in (1: all at once), from the
-    batched float inputs (the activations)."""
-    if not batched:
-        return 1
+def _slice_count(slices, policy: Policy, jaxpr, flat, big: int, batch: int
+                 ) -> tuple[int, str]:
+    """How many batch slices the recomputed backward runs in (1: at once), and why when 1.
+
+    Decided from what the float32 backward will hold, read off the block's program, not from
+    its arguments (a float32 mask, positions or a conditioning vector passed in changes
+    nothing): automatically (`slices` None), `AUTO_SLICES` when some activation-sized value
+    the block computes (at least as large as its largest activation, `flat[big]`: attention
+    scores, an MLP's hidden) is narrower than the tangent dtype, so that its cotangent
+    would be wider than the value itself; then as many as keep at least `MIN_SLICE_ROWS` rows
+    of the largest activation (its axes but the last) in each slice, dividing the batch."""
+    x = flat[big]
+    name = f"{jnp.result_type(x)}{list(np.shape(x))}"
     if slices is None:
         tangent = np.dtype(policy.tangent_dtype).itemsize
-        widest = max(np.dtype(jnp.result_type(a)).itemsize for a in batched)
-        slices = AUTO_SLICES if tangent > widest else 1
-    batch = np.shape(batched[0])[0]
-    rows = min(math.prod(np.shape(a)[:-1]) for a in batched)
+        size = np.size(x)
+        big_vals = [v.aval for v in _all_outvars(jaxpr)
+                    if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
+                    and math.prod(getattr(v.aval, "shape", ())) >= size]
+        narrow = [a for a in big_vals if np.dtype(a.dtype).itemsize < tangent]
+        if not narrow:
+            widest = max((np.dtype(a.dtype).itemsize for a in big_vals), default=0)
+            return 1, (f"one slice chosen: the block computes its activation-sized values "
+                       f"(as large as its largest activation, {name}) in "
+                       f"{8 * widest}-bit floats or wider, so its {policy.tangent_dtype} "
+                       f"backward holds no more than they do")
+        slices = AUTO_SLICES
+    rows = math.prod(np.shape(x)[:-1])
     k = int(slices)
     while k > 1 and (batch % k or rows // k < MIN_SLICE_ROWS):
         k -= 1
-    return k
+    if k <= 1:
+        why = ("one slice asked for (backward_slices=1)" if int(slices) == 1 else
+               f"one slice chosen: the largest activation, {name}, has {rows} rows (its axes "
+               f"but the last), fewer than 2 x {MIN_SLICE_ROWS} (each slice keeps "
+               f"{MIN_SLICE_ROWS} rows per matmul), or its batch of {batch} does not divide")
+        return 1, why
+    return k, ""
+
+
+def _all_outvars(jaxpr):
+    """Every variable the equations of `jaxpr` make, in its sub-jaxprs too (a scan's or a
+    jit's body: what the block computes)."""
+    for eqn in jaxpr.eqns:
+        yield from (v for v in eqn.outvars if not compat.is_dropvar(v))
+        for sub in compat.jaxprs_in_params(eqn.params):
+            yield from _all_outvars(compat.jaxpr_and_consts(sub)[0])
 
 
 class _SlicePlan:
@@ -243,12 +307,46 @@ class _SlicePlan:
         return shape[axis] // self.batch
 
 
+class SliceWarning(UserWarning):
+    """A compressed checkpoint whose float32 backward would run in batch slices (its block
+    computes in a narrower dtype) cannot, and runs at once: that backward holds the float32
+    cotangents of the block's largest values, more memory than a bf16 backward of it.
+
+    Warned once per checkpoint (its source line), at the first trace, naming what stopped the
+    slicing and the extra memory; `hifigrad.slice_report` says the same. ``backward_slices=1``
+    (at once, asked for) silences it.
+
+    Examples:
+      >>> import hifigrad as hg
+      >>> issubclass(hg.SliceWarning, UserWarning)
+      True
+    """
+
+
+class _Unsliced(str):
+    """`_slice_decision`'s reason when slicing was wanted (a bf16 block's float32 backward)
+    and refused: its float32 backward runs at once and holds more than a bf16 one would."""
+
+
+_warned_unsliced: set = set()
+
+
 def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
                 slices) -> _SlicePlan | None:
-    """`_slice_decision`'s plan, its reason recorded for `slice_report`."""
+    """`_slice_decision`'s plan, its reason recorded for `slice_report`; a `SliceWarning`
+    once per checkpoint where slicing was wanted and refused."""
     plan, why = _slice_decision(converted, consts, flat, encode, policy, save, slices)
     for log in _SLICE_LOGS:
-        log.append(why)
+        log.append(str(why))
+    if isinstance(why, _Unsliced) and not _SLICE_LOGS:  # (slice_report says it itself)
+        where = compat.current_source() or "an unknown place"
+        if where not in _warned_unsliced:
+            _warned_unsliced.add(where)
+            import warnings
+
+            warnings.warn(f"hifigrad: the checkpoint at {where} runs its float32 backward at "
+                          f"once, not in batch slices: {why}. Pass backward_slices=1 to that "
+                          f"checkpoint to say so and silence this.", SliceWarning, stacklevel=2)
     return plan
 
 
@@ -319,11 +417,11 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
     batch, big, same = _activations(encode, flat)
     if batch is None:
         return None, "no activation to slice (no encoded float input of two or more axes)"
-    k = _slice_count(slices, policy, [flat[i] for i in same])
-    if k <= 1:
-        return None, ("one slice asked for or chosen (a backward no wider than the saved "
-                      f"activations, or fewer than 2 x {MIN_SLICE_ROWS} rows of its matmuls)")
     jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
+    k, why_one = _slice_count(slices, policy, jaxpr, flat, big, batch)
+    if k <= 1:
+        return None, why_one
+    wanted = slices is None  # automatic: a bf16 block's float32 backward
     n = len(flat) + len(consts)
     first = None
     for seeds in ([same, [big]] if len(same) > 1 else [same]):
@@ -342,7 +440,26 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
             first = first or why
             if not size_dependent:
                 break
+    if wanted:
+        return None, _Unsliced(f"{first}; {_widening(jaxpr, flat[big], policy)}")
     return None, first
+
+
+def _widening(jaxpr, x, policy: Policy) -> str:
+    """What the float32 backward of a block run at once holds more than a bf16 one: the
+    cotangent of its largest value narrower than the tangent dtype, at the tangent's width."""
+    tangent = np.dtype(policy.tangent_dtype)
+    size = np.size(x)
+    narrow = [v.aval for v in _all_outvars(jaxpr)
+              if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
+              and np.dtype(v.aval.dtype).itemsize < tangent.itemsize
+              and math.prod(getattr(v.aval, "shape", ())) >= size]
+    a = max(narrow, key=lambda a: math.prod(a.shape))
+    n = math.prod(a.shape)
+    extra = n * (tangent.itemsize - np.dtype(a.dtype).itemsize) / 2 ** 20
+    return (f"its {tangent} backward holds the cotangents of values as large as "
+            f"{a.str_short()} in {tangent} ({n * tangent.itemsize / 2 ** 20:.3g} MiB each, "
+            f"{extra:.3g} MiB more than in {a.dtype})")
 
 
 def _forward_mixes(typing) -> str | None:
@@ -421,12 +538,13 @@ def _backward_program(fun, args, out_avals, is_float, policy: Policy):
 
     n = len(args)
 
+    float_avals = [a for a, f in zip(out_avals, is_float) if f]
+
     def bwd(*xs):
         _, vjp_fn = _vjp(lambda *a: fun(*a), tuple(xs[:n]), False, policy, PROMOTE)
         # (inside a shard_map, each cotangent varies along the mesh axes its output does)
-        cts = iter(compat.match_varying(c, a) for c, a, f in zip(xs[n:], out_avals, is_float)
-                   if f)
-        return vjp_fn(_all_cts([next(cts) for f in is_float if f], out_avals, is_float))
+        cts = [compat.match_varying(c, a) for c, a in zip(xs[n:], float_avals)]
+        return vjp_fn(_all_cts(cts, out_avals, is_float))
 
     cts = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, f in zip(out_avals, is_float) if f]
     jaxpr, consts, tree = compat.make_jaxpr_closed(bwd, *args, *cts)
@@ -497,9 +615,10 @@ def _sliced_backward(plan: _SlicePlan, policy: Policy, args, consts, cts):
     acc_dtype = {i: max((np.dtype(jnp.float32), np.dtype(jnp.result_type(x)),
                          np.dtype(policy.tangent_dtype)), key=lambda t: t.itemsize)
                  for i, x in others if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
-    # The batched float inputs' cotangent rows (an integer input's is float0: made whole).
+    # The batched float and complex inputs' cotangent rows (an integer input's is float0:
+    # made whole).
     rows_out = [i for i, (x, t) in enumerate(zip(everything, plan.in_types))
-                if is_axis(t) and is_float_array(x)]
+                if is_axis(t) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
 
     def body(acc, xs):
         x_sl, c_sl, i = xs
@@ -572,28 +691,41 @@ def slice_tolerance(dtypes) -> float:
     return max([2.0 ** -10, *(4 * float(e) for e in narrow)])
 
 
-def _checked(plan: _SlicePlan, sliced, whole):
+def _wide(x):
+    """`x` in float32 (complex64 if complex) or wider: what the check compares in."""
+    dt = jnp.result_type(x)
+    wide = jnp.complex64 if jnp.issubdtype(dt, jnp.complexfloating) else jnp.float32
+    return jnp.asarray(x, jnp.promote_types(dt, wide))
+
+
+def _checked(plan: _SlicePlan, sliced, whole, cts=()):
     """`sliced`, after checking it against `whole` when the program runs: a norm-wise
-    difference above `slice_tolerance` for any input (relative to the larger of its own
-    cotangent and the block's largest) raises `SliceCheckError` naming the checkpoint's
-    source line."""
+    difference above `slice_tolerance` for any input (relative to the largest of its own
+    cotangent, the block's largest and the output cotangents `cts`) raises `SliceCheckError`
+    naming the checkpoint's source line."""
     pairs = [(i, s, w) for i, (s, w) in enumerate(zip(sliced, whole))
              if jnp.issubdtype(jnp.result_type(w), jnp.inexact)]
     if not pairs:
         return sliced
     tol = slice_tolerance([jnp.result_type(a) for a in plan.out_avals])
-    # Each input's difference relative to the larger of its own cotangent and the block's
-    # largest: a cotangent that is zero up to rounding (an attention key bias's: softmax
-    # ignores it) is the rounding of terms as large as the others', and its own norm says
-    # nothing of a wrong slicing (0.6 "off" on a TPU, 1e-7 of the block's largest).
+    # Each input's difference relative to the largest of its own cotangent, the block's
+    # largest and the output cotangents': a cotangent that is zero up to rounding (an
+    # attention key bias's: softmax ignores it; every input's through a softmax summed over
+    # its own axis) is the rounding of terms as large as the others' or the outputs', and
+    # its own norm says nothing of a wrong slicing (0.6 "off" on a TPU, 1e-7 of the block's
+    # largest). Every wrong slicing seen was off by 1e-2 of the cotangents or more.
     diffs, norms = [], []
     for _, s, w in pairs:
-        s32, w32 = jnp.asarray(s, jnp.float32), jnp.asarray(w, jnp.float32)
+        s32, w32 = _wide(s), _wide(w)
         diffs.append(jnp.linalg.norm((s32 - w32).ravel()))
         norms.append(jnp.linalg.norm(w32.ravel()))
+    ct_norm = jnp.sqrt(sum((jnp.linalg.norm(_wide(c).ravel()) ** 2
+                            for c in jax.tree_util.tree_leaves(cts)
+                            if jnp.issubdtype(jnp.result_type(c), jnp.inexact)),
+                           jnp.float32(0)))
     norms = jnp.stack(norms)
     errs = jnp.stack(diffs) / jnp.maximum(jnp.maximum(norms, jnp.max(norms)),
-                                          jnp.float32(1e-30))
+                                          jnp.maximum(ct_norm, jnp.float32(1e-30)))
     names = [i for i, _, _ in pairs]
     where = plan.where or "an unknown place"
 
@@ -948,7 +1080,7 @@ def _ckpt_res_fwd(fun_flat, codec, policy, encode, args, consts):
 
 
 def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
-    del fun_flat, policy
+    del fun_flat
     saved, kept, jconsts, plan, dtypes = res
     jaxpr = plan.jaxpr
     env = dict(zip(jaxpr.constvars, jconsts))
@@ -962,8 +1094,10 @@ def _ckpt_res_bwd(fun_flat, codec, policy, encode, res, cts):
             env[v] = s
     leaves = _eval_jaxpr(jaxpr, env, jaxpr.outvars[plan.n_out:])
     vjp_fn = tree_unflatten(plan.vjp_tree, leaves)
-    return _input_cotangents(_freeing_first(vjp_fn, list(cts)), dtypes.dtypes,
-                             len(encode))
+    from .api import promoted_region
+
+    cts_in = promoted_region(lambda c: _freeing_first(vjp_fn, c), list(cts), policy)
+    return _input_cotangents(cts_in, dtypes.dtypes, len(encode))
 
 
 _ckpt_res.defvjp(_ckpt_res_fwd, _ckpt_res_bwd)
@@ -1009,8 +1143,9 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
         cotangents for memory. Slicing happens only where the block's program is proven
         separable along that axis (no batch statistics, no mixing of rows), else the
         backward runs at once; a slice keeps at least 256 rows per matmul. ``None``
-        (default): 4 when the backward's cotangents are wider than the encoded inputs (a
-        bf16 block's float32 backward), else 1; ``1``: never slice.
+        (default): 4 when the backward's cotangents are wider than the activation-sized
+        values the block computes (a bf16 block's float32 backward; masks, positions or
+        other inputs of any dtype do not count), else 1; ``1``: never slice.
       encode_argnums: which positional arguments hold the activations to encode (an int or
         a sequence of ints; negative ones count from the end); the float leaves of the
         others are saved as they are, like values `fun` closes over. ``None`` (default):
@@ -1043,23 +1178,28 @@ def checkpoint(fun: Callable, codec, *, policy: Policy | None = None,
       >>> jax.grad(lambda x: g(x).sum())(jnp.array([-1.0, 2.0]))
       Array([0., 1.], dtype=float32)
     """
-    codec = get_codec(codec)
-    policy = resolve_policy(policy, tangent_dtype)
-    save = check_save(save)
+    codec, policy, save, backward_slices = check_checkpoint_args(
+        "hifigrad.checkpoint", fun, codec, policy, tangent_dtype, save, backward_slices)
     argnums = _check_argnums(encode_argnums)
 
+    def call(args, kwargs):
+        return fun(*args, **kwargs)
+
     @functools.wraps(fun)
-    def wrapped(*args):
-        for x in jax.tree_util.tree_leaves(args, is_leaf=lambda v: isinstance(v, Encoded)):
+    def wrapped(*args, **kwargs):
+        for x in jax.tree_util.tree_leaves((args, kwargs),
+                                           is_leaf=lambda v: isinstance(v, Encoded)):
             _check_encodable(x)
-        flat, in_tree = tree_flatten(args)
+        flat, in_tree = tree_flatten((args, kwargs))
         flat = [jnp.asarray(x) for x in flat]
         chosen = _chosen_args(argnums, len(args))
-        # the argument each leaf of `flat` comes from (tuples flatten argument by argument)
+        # the argument each leaf of `flat` comes from (tuples flatten argument by argument;
+        # keyword arguments, after them, count as unnamed by `encode_argnums`)
         owner = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+        owner += [None] * (len(flat) - len(owner))
         encode = [is_float_array(x) and (chosen is None or i in chosen)
                   for x, i in zip(flat, owner)]
-        return checkpoint_call(fun, flat, in_tree, encode, codec, policy, save,
+        return checkpoint_call(call, flat, in_tree, encode, codec, policy, save,
                                backward_slices=backward_slices)
 
     return wrapped
@@ -1102,13 +1242,15 @@ def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", st
       in_tree: their treedef.
       encode: one bool per leaf of `flat`: whether that input is saved encoded (a float
         activation) or as it is (parameters, integer inputs).
-      codec: a `Codec`; policy: a resolved `Policy`; save: a `check_save`-d mode.
+      codec: a `Codec`; policy: a resolved `Policy` (`policy.INHERIT`: the policy of the
+        hifigrad transform tracing it, else the default); save: a `check_save`-d mode.
       state: a delayed-scaling codec's state, or None.
       backward_slices: as in `checkpoint` (None: automatic).
 
     Returns:
       `fun`'s output pytree.
     """
+    policy = effective_policy(policy)  # a checkpoint made without one: the transform's
     fun_flat, box = _flat_closure(fun, flat, in_tree)
     converted, consts = jax.closure_convert(fun_flat, *flat)
     plan = _slice_plan(fun_flat, converted, consts, flat, encode, policy, save,
@@ -1209,9 +1351,8 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         raise TypeError("hifigrad.scan: no codec given; pass one by keyword, e.g. "
                         "hifigrad.scan(f, init, xs, codec='int8') ('none' saves the carry "
                         "uncompressed).")
-    codec = get_codec(codec)
-    policy = resolve_policy(policy, tangent_dtype)
-    save = check_save(save)
+    codec, policy, save, backward_slices = check_checkpoint_args(
+        "hifigrad.scan", f, codec, policy, tangent_dtype, save, backward_slices, stateful=True)
     _check_codec_state(codec, codec_state, save, "hifigrad.scan")
     for x in jax.tree_util.tree_leaves(init, is_leaf=lambda v: isinstance(v, Encoded)):
         _check_encodable(x)

@@ -289,22 +289,36 @@ def batching_kind(prim) -> str | None:
     return None
 
 
+def _registered_primitives() -> dict[str, list[Primitive]]:
+    """Every primitive the installed JAX has a rule for (its JVP, batching or lowering
+    registries), by name: where a primitive is defined moves between releases (the PRNG's
+    moved to `jax._src.random.prng`), its registration does not."""
+    by_name: dict[str, list[Primitive]] = {}
+    registries = [getattr(_ad, "primitive_jvps", {}), getattr(_ad, "primitive_transposes", {}),
+                  getattr(_batching, "fancy_primitive_batchers", {}),
+                  getattr(_batching, "primitive_batchers", {}), getattr(_mlir, "_lowerings", {})]
+    for reg in registries:
+        if not isinstance(reg, dict):
+            continue
+        for p in list(reg):
+            if isinstance(p, Primitive) and p not in by_name.setdefault(p.name, []):
+                by_name[p.name].append(p)
+    return by_name
+
+
 def primitives_named(names: Sequence[str]) -> list[Primitive]:
-    """The `jax.lax` primitives among `names` (as `<name>_p` attributes); missing ones skipped."""
-    out = []
+    """The installed JAX's primitives named `names` (a `jax.lax` ``<name>_p`` attribute, else
+    any primitive JAX registers a rule for under that name); missing ones skipped."""
+    out: list[Primitive] = []
+    registered = None
     for n in names:
         p = getattr(jax.lax, n + "_p", None)
-        if p is None:
-            for mod in ("jax._src.lax.lax", "jax._src.lax.parallel", "jax._src.lax.slicing",
-                        "jax._src.lax.special", "jax._src.lax.control_flow.loops",
-                        "jax._src.lax.windowed_reductions", "jax._src.lax.convolution",
-                        "jax._src.lax.other", "jax._src.lax.ann", "jax._src.lax.linalg",
-                        "jax._src.core"):
-                p = _find(mod, n + "_p")
-                if p is not None:
-                    break
         if p is not None:
             out.append(p)
+            continue
+        if registered is None:
+            registered = _registered_primitives()
+        out.extend(q for q in registered.get(n, []) if q not in out)
     return out
 
 
@@ -512,6 +526,21 @@ def hi_primitive_at(eqn, aval_fn: Callable[[Any], Any]):
     try:
         return type(prim)(**params)
     except Exception:  # noqa: BLE001 - no evidence that the class can be rebuilt
+        return None
+
+
+def hi_primitive_expansion(eqn):
+    """The program a `call_hi_primitive` equation's `HiPrim` expands to (its ``expand``: the
+    lo-level JAX it stands for), traced at the equation's input avals; None when it cannot be
+    read."""
+    prim = eqn.params["_prim"]
+    expand = getattr(prim, "expand", None)
+    if expand is None:
+        return None
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    try:
+        return jax.make_jaxpr(lambda *a: expand(*a))(*avals)
+    except Exception:  # noqa: BLE001 - no evidence of what it expands to
         return None
 
 

@@ -47,10 +47,9 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_unflatten
 
 from . import compat
-from .checkpoint import check_save, check_slices, checkpoint_call
-from .codecs import get_codec
+from .checkpoint import check_checkpoint_args, checkpoint_call
 from .dtypes import is_real_float
-from .policy import Policy, resolve_policy
+from .policy import Policy
 
 __all__ = ["compress_checkpoints"]
 
@@ -323,21 +322,9 @@ def compress_checkpoints(fun: Callable, codec, *, policy: Policy | None = None,
       >>> g.shape, g.dtype
       ((4, 8, 8), dtype('float32'))
     """
-    if not callable(fun):
-        raise TypeError(f"compress_checkpoints: expected a function; got {fun!r}.")
-    codec = get_codec(codec)
-    if callable(getattr(codec, "init_state", None)):
-        raise TypeError(
-            f"compress_checkpoints: codec {codec.name!r} uses delayed scaling, whose state the "
-            f"caller threads through training; use hifigrad.scan(..., codec_state=...) for it, "
-            f"or a current-scaling codec such as 'fp8_e4m3'.")
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(
-            f"compress_checkpoints: `policy` is a hifigrad.Policy for the recomputed backward "
-            f"(a jax.checkpoint policy belongs to the checkpoints in `fun`); got {policy!r}.")
-    policy = resolve_policy(policy, tangent_dtype)
-    save = check_save(save)
-    rewriter = _Rewriter(codec, policy, save, check_slices(backward_slices))
+    codec, policy, save, slices = check_checkpoint_args(
+        "compress_checkpoints", fun, codec, policy, tangent_dtype, save, backward_slices)
+    rewriter = _Rewriter(codec, policy, save, slices)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 from typing import Any, Literal
@@ -204,6 +206,47 @@ class Policy:
         if self.matmul_precision is None:
             return None
         return lax.Precision[self.matmul_precision.upper()]
+
+
+class _Inherited(Policy):
+    """The policy of a checkpoint made without one (`INHERIT`): its backward runs under the
+    policy of the hifigrad transform that differentiates it (`hg.grad(..., policy=...)`, a
+    `precise_backward`), else the default one. A `Policy` whose fields are the defaults, of
+    its own class (so it never equals an explicit ``Policy()`` in a cache key)."""
+
+
+INHERIT = _Inherited()
+# The policy of the hifigrad transform tracing now (`active_policy`), for `effective_policy`.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hifigrad_active_policy", default=None)
+
+
+@contextlib.contextmanager
+def active_policy(policy: Policy):
+    """Within: `effective_policy(INHERIT)` is `policy` (hifigrad's transforms set it while they
+    trace the function and its backward)."""
+    token = _ACTIVE.set(policy)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def effective_policy(policy: Policy) -> Policy:
+    """`policy`, or for `INHERIT` the active transform's policy (`active_policy`), else the
+    default `Policy()`."""
+    if policy is not INHERIT:
+        return policy
+    active = _ACTIVE.get()
+    return Policy() if active is None or active is INHERIT else active
+
+
+def resolve_checkpoint_policy(policy: Policy | None, tangent_dtype: Any = None) -> Policy:
+    """`resolve_policy` for a checkpoint: with neither argument given, `INHERIT` (its backward
+    runs under the enclosing hifigrad transform's policy: ``hg.grad(f, policy=Policy(
+    matmul='fast'))`` reaches the checkpoints in ``f``)."""
+    if policy is None and tangent_dtype is None:
+        return INHERIT
+    return resolve_policy(policy, tangent_dtype)
 
 
 def resolve_policy(policy: Policy | None, tangent_dtype: Any = None) -> Policy:

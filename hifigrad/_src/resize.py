@@ -69,9 +69,13 @@ def slice_aval(x, t, k: int):
         shape[t] //= k
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
+    # (a weakly typed input, `jnp.full(s, 0.5)`, stays weak: else the program at the slice
+    # has a cast the analysed one has not)
+    weak = bool(getattr(aval, "weak_type", False))
     if mesh is not None and getattr(mesh, "shape_tuple", ()):
-        return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x), sharding=sharding)
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x), sharding=sharding,
+                                    weak_type=weak)
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x), weak_type=weak)
 
 
 def eval_at(typing: Typing, args: Sequence, k: int) -> list:
@@ -109,6 +113,12 @@ def eval_at(typing: Typing, args: Sequence, k: int) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _at_slice(typing: Typing, k: int) -> list:
+    """Abstract values of `typing.jaxpr`'s inputs at the slice's size (a loop body's)."""
+    return [jax.ShapeDtypeStruct(expected_shape(typing, v, k), v.aval.dtype)
+            for v in typing.jaxpr.invars]
+
+
 def _retrace(typing: Typing, invals: Sequence, k: int):
     return jax.make_jaxpr(lambda *a: eval_at(typing, a, k))(*invals)
 
@@ -137,6 +147,17 @@ def _nested(typing: Typing, i: int, eqn, invals: Sequence, k: int) -> list:
                             policy=eqn.params.get("policy"))
         with compat.eqn_context(eqn):
             return list(fn(*invals))
+    if prim is compat.scan_p:
+        sub = _sub(typing, i, 0)
+        params = dict(eqn.params, jaxpr=_retrace(sub, _at_slice(sub, k), k))
+        return compat.bind_eqn(eqn, invals, params)
+    if prim is compat.while_p:
+        cond, body = _sub(typing, i, 0), _sub(typing, i, 1)
+        params = dict(eqn.params, cond_jaxpr=_retrace(cond, _at_slice(cond, k), k),
+                      body_jaxpr=_retrace(body, _at_slice(body, k), k))
+        return compat.bind_eqn(eqn, invals, params)
+    if prim is compat.call_hi_primitive_p:  # what it expands to (`separable`'s reading)
+        return eval_at(_sub(typing, i, 0), invals, k)
     if prim is compat.custom_jvp_call_p:
         return compat.bind_eqn(eqn, invals, _custom_jvp(typing, i, eqn, invals, k))
     if prim is compat.custom_vjp_call_p:

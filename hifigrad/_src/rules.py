@@ -49,6 +49,8 @@ from .dtypes import is_real_float
 from .interpreter import Interpreter, RuleTable
 from .primitives import PRIMITIVES
 
+PROMOTED_REGION = "hifigrad_promoted_backward"  # `api.promoted_region`'s call
+
 __all__ = ["PROMOTE", "promote_rule", "register_rule"]
 
 def _float_dtype_param(v):
@@ -239,6 +241,13 @@ def inline_rule(interp: Interpreter, eqn, invals, inflags):
     j = _call_jaxpr_param(eqn)
     n = len(compat.jaxpr_and_consts(j)[0].invars)
     name = eqn.params.get("name", eqn.primitive.name)
+    if eqn.primitive is compat.pjit_p and name == PROMOTED_REGION:
+        # A backward hifigrad built in the tangent dtype (`api.promoted_region`): bound as it
+        # is, its cotangents (promoted already) at the dtypes it was traced with.
+        args = [interp.cast_like(x, v.aval) if f else x
+                for x, v, f in zip(invals, eqn.invars, inflags)]
+        outs = compat.bind_eqn(eqn, args)
+        return outs, [_floating(o) and any(inflags) for o in outs]
     with compat.eqn_context(eqn), jax.named_scope(str(name)):
         return interp.eval_closed(j, invals[len(invals) - n:], inflags[len(inflags) - n:])
 

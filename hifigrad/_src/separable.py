@@ -90,6 +90,43 @@ class Mix:
         return f"Mix({self.why!r})"
 
 
+class Position(Mix):
+    """The row's position along the batch axis (an iota along it), as an index: ``x[arange(B),
+    idx]``, MaxText's ``w.at[arange(B)[:, None, None], arange(T)[:, None], idx]``. At a slice
+    the iota is the slice's own (0 to B/k - 1): as an index into a value batched along that
+    axis it picks the slice's own rows, so a gather or scatter by it is row by row. Any other
+    use (a mask ``arange(B) < n``, a key folded in) would see other positions at a slice: for
+    every rule that does not know it (`_POSITION_RULES`), it is mixing.
+
+    ``axis``: the axis along which the value is the position; ``comp``: for an index array
+    whose last axis holds index vectors, the component that is the position (None: the value
+    itself); ``rest``: the type of the other components (None or ``axis``); ``derived``: a
+    piece of JAX's normalization of negative indices (`_pos_normalized`); ``ids``: not the
+    row's position but an injective labeling of the batch's elements, batch-major (an iota
+    over the batch merged with other axes: JAX's scatter JVP scatters such ids and compares
+    them to see which update won), which only moves and equality may read (`_ids_rule`)."""
+
+    __slots__ = ("axis", "comp", "rest", "derived", "ids")
+
+    def __init__(self, why: str, axis: int, comp: int | None = None, rest=None,
+                 derived: bool = False, ids: bool = False):
+        super().__init__(why)
+        self.axis, self.comp, self.rest, self.derived, self.ids = axis, comp, rest, derived, ids
+
+    def __repr__(self):
+        return (f"Position(axis={self.axis}, comp={self.comp}, rest={self.rest}"
+                f"{', derived' if self.derived else ''}{', ids' if self.ids else ''})")
+
+    def _key(self):
+        return (self.axis, self.comp, self.rest, self.derived, self.ids)
+
+    def __eq__(self, other):
+        return isinstance(other, Position) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+
 _CONFLICT = "conflict"  # a variable demanded batched along two axes
 
 
@@ -122,7 +159,11 @@ class Typing:
         return None if compat.is_literal(v) else self.of.get(v)
 
     def axis(self, v) -> int | None:
+        """The batch axis of `v` (a `Position` is batch-long along its axis too: it is
+        resized), or None."""
         t = self.type(v)
+        if isinstance(t, Position):
+            return t.axis
         return int(t) if is_axis(t) else None
 
     def sub(self, i: int, j: int) -> Typing | None:
@@ -145,8 +186,8 @@ class Typing:
         """Whether equation i takes or makes a batched value (it is resized)."""
         eqn = self.jaxpr.eqns[i]
         return i in self.subs or any(
-            is_axis(self.type(v)) for v in (*eqn.invars, *eqn.outvars)
-            if not compat.is_dropvar(v))
+            self.axis(v) is not None for v in (*eqn.invars, *eqn.outvars)
+            if not compat.is_dropvar(v) and not compat.is_literal(v))
 
 
 # ------------------------------------------------------------------------------ the registry
@@ -216,10 +257,13 @@ class _Cx:
     def zero(self, j: int) -> bool:
         return is_zero(self.eqn.invars[j], self.typing.producer())
 
-    def sub(self, j: int, closed, ins: Sequence, operands: Sequence, want: Sequence) -> list:
+    def sub(self, j: int, closed, ins: Sequence, operands: Sequence, want: Sequence,
+            shift: Sequence[int] | None = None) -> list:
         """The output types of `closed` (the equation's j-th jaxpr) on operands of types
-        `ins`, its outputs demanded as `want`."""
-        return self.pas.sub(self, j, closed, ins, operands, want)
+        `ins`, its outputs demanded as `want`. `shift[i]`: how many axes operand i has
+        before the sub-program's input i (a scan's ``xs``: the scanned axis), so that a
+        demand from inside reaches the operand at the right axis."""
+        return self.pas.sub(self, j, closed, ins, operands, want, shift)
 
 
 class _Pass:
@@ -297,6 +341,15 @@ class _Pass:
     def _eqn(self, cx: _Cx, eqn, ins: list, want: list) -> list:
         n = len(eqn.outvars)
         mixes = [t for t in ins if isinstance(t, Mix)]
+        if any(isinstance(t, Position) for t in mixes):
+            prule = _POSITION_RULES.get(eqn.primitive)
+            outs = prule(cx, eqn, ins, want) if prule is not None else None
+            if outs is None:
+                outs = _ids_rule(cx, eqn, ins, want)
+            if outs is not None:
+                return outs
+            pos = next(t for t in mixes if isinstance(t, Position))
+            return [Mix(pos.why)] * n  # a plain mix: no other use keeps the position
         if mixes:
             return [mixes[0]] * n
         if all(t is None for t in ins) and all(w is None for w in want):
@@ -314,16 +367,17 @@ class _Pass:
             return [cx.mix("no rule for this primitive on batched values")] * n
         return rule.types(cx, eqn, ins, want)
 
-    def sub(self, cx: _Cx, j: int, closed, ins, operands, want) -> list:
+    def sub(self, cx: _Cx, j: int, closed, ins, operands, want, shift=None) -> list:
         jaxpr, consts = compat.jaxpr_and_consts(closed)
         path = (*cx.typing.path, (cx.index, j))
         forced = self.forced.get(path, {})
         sub_ins = []
-        for u, t, op in zip(jaxpr.invars, ins, operands):
+        shift = [0] * len(ins) if shift is None else shift
+        for u, t, op, sh in zip(jaxpr.invars, ins, operands, shift):
             f = forced.get(u)
             if is_axis(f) and t is None:
                 # the body needs this input batched: so must the caller's operand be
-                t = f if self.demand(cx.typing, op, f) else cx.mix(
+                t = f if self.demand(cx.typing, op, f + sh) else cx.mix(
                     "a call's operand that cannot be batched meets the batch inside it")
             sub_ins.append(t)
         child = self.run(jaxpr, consts, sub_ins, path)
@@ -419,8 +473,13 @@ def check_backward(jaxpr, in_types: Sequence, batch: int, n_args: int, *, consts
     (the slices' rows are concatenated) and each other's a `SUM` or zero (the slices' are
     added up). No input is demanded batched here: what is sliced was decided by the forward.
     Returns the typing; raises `NotSeparable` naming the equation or output that forbids it."""
+    # Each batched input's cotangent is demanded batched along the input's axis: one that is
+    # zeros (a mask used through `where`, an input a custom_vjp's backward returns None for)
+    # is then typed as made at the slice's size, as the backward at a slice makes it.
+    want = [t if is_axis(t) and np.dtype(v.aval.dtype) != _FLOAT0 else None
+            for v, t in zip(jaxpr.outvars, in_types[:n_args])]
     typing = analyse(jaxpr, in_types, batch, consts=consts, sums=True,
-                     free=[False] * len(jaxpr.invars))
+                     free=[False] * len(jaxpr.invars), want=want)
     if typing.fatal:
         raise NotSeparable(typing.fatal[0].why)
     producer = typing.producer()
@@ -651,7 +710,11 @@ def _iota_types(cx: _Cx, eqn, ins, want):
     if w is None:
         return [None]
     if eqn.params["dimension"] == w:
-        return [cx.mix("the row's position (an iota along the batch axis)")]
+        where = compat.source_summary(eqn)
+        merged = cx.out_shape()[w] != cx.batch  # an iota over the batch and other axes
+        return [Position(f"iota{f' at {where}' if where else ''}: the row's position (an iota "
+                         f"along the batch axis) used otherwise than to index the batch", w,
+                         ids=merged)]
     return [w]
 
 
@@ -742,6 +805,76 @@ register([lax.split_p], _along_other_axes("axis", "splits along the batch axis")
          _linear_unary)
 
 
+def _fft_types(cx: _Cx, eqn, ins, want):
+    """`fft` transforms its operand's trailing ``len(fft_lengths)`` axes: row-wise along any
+    other axis."""
+    a = _common(cx, ins, want)
+    if a is None or isinstance(a, Mix):
+        return [a]
+    if a >= len(cx.shape(0)) - len(eqn.params["fft_lengths"]):
+        return [cx.mix("transforms along the batch axis")]
+    return [_demand_all(cx, ins, a, (0,)) or a]
+
+
+register(_named("fft"), _fft_types, _linear_unary)
+register(_named("approx_top_k"),
+         _along_other_axes("reduction_dimension", "takes the top k along the batch axis"))
+
+
+def _stack_types(cx: _Cx, eqn, ins, want):
+    """`stack` (jnp.stack): operands of one shape stacked along a new axis."""
+    r = len(cx.shape(0))
+    ax = eqn.params["axis"] % (r + 1)
+    w = want[0]
+    if w is not None and w == ax:
+        return [cx.mix("stacks along the batch axis")]
+    a = _common(cx, ins, [] if w is None else [w if w < ax else w - 1])
+    if a is None or isinstance(a, Mix):
+        return [a]
+    return [_demand_all(cx, ins, a, range(len(ins))) or (a if a < ax else a + 1)]
+
+
+def _unstack_types(cx: _Cx, eqn, ins, want):
+    """`unstack` (jnp.unstack): one output per position along ``axis``, that axis removed."""
+    n = len(eqn.outvars)
+    ax = eqn.params["axis"] % len(cx.shape(0))
+    ws = {w if w < ax else w + 1 for w in want if w is not None}
+    a = _common(cx, ins, list(ws))
+    if a is None or isinstance(a, Mix):
+        return [a] * n
+    if a == ax:
+        return [cx.mix("unstacks along the batch axis")] * n
+    return [_demand_all(cx, ins, a, (0,)) or (a if a < ax else a - 1)] * n
+
+
+def _tile_types(cx: _Cx, eqn, ins, want):
+    """`tile` (jnp.tile): row-wise when the batch axis is repeated once."""
+    r, out_r = len(cx.shape(0)), len(cx.out_shape())
+    off = out_r - r
+    reps = tuple(eqn.params["reps"])
+    reps = (1,) * (out_r - len(reps)) + reps
+    w = want[0]
+    if w is not None and w < off:
+        return [cx.mix("a new leading axis the batch meets")]
+    a = _common(cx, ins, [] if w is None else [w - off])
+    if a is None or isinstance(a, Mix):
+        return [a]
+    if reps[a + off] != 1:
+        return [cx.mix("repeats the batch axis")]
+    return [_demand_all(cx, ins, a, (0,)) or a + off]
+
+
+register(_named("stack"), _stack_types, _linear_additive)
+register(_named("unstack"), _unstack_types, _linear_unary)
+register(_named("tile"), _tile_types, _linear_unary)
+
+# The PRNG's primitives map over their keys' leading axes (JAX's own batchers say so on some
+# releases and not others): keys per row make bits, splits and key data per row.
+register(_named("random_bits", "random_split", "random_unwrap", "random_seed"),
+         _vectorized_types)
+register(_named("random_fold_in", "threefry2x32"), _broadcasting_types)
+
+
 def _reduce_types(cx: _Cx, eqn, ins, want):
     """Reductions over ``axes``: the batch axis kept (renumbered), or reduced over: a `SUM`
     for a `reduce_sum` in a backward program, else mixing."""
@@ -828,7 +961,10 @@ def _conv_types(cx: _Cx, eqn, ins, want):
             la is None and ra is None and want[0] == out_spec[0] and groups[1] == 1
             and cx.demand(0, lhs_spec[0])):
         return [out_spec[0]]
-    if cx.sums and groups == (1, 1) and (
+    # The kernel's cotangent: the batch axis is the contracted feature dimension of both
+    # operands (a grouped or depthwise conv's has `batch_group_count` > 1: it groups the
+    # lhs's *batch* dimension, which there holds the input's channels, not the rows).
+    if cx.sums and groups[0] == 1 and (
             (is_axis(la) and la == lhs_spec[1]) or (is_axis(ra) and ra == rhs_spec[1])):
         ok_l = (is_axis(la) and la == lhs_spec[1]) or (la is None and cx.demand(0, lhs_spec[1]))
         ok_r = (is_axis(ra) and ra == rhs_spec[1]) or (ra is None and cx.demand(1, rhs_spec[1]))
@@ -1027,68 +1163,75 @@ register([lax.gather_p], _gather_types, _linear_unary, _resize_gather)
 
 def _scatter_types(cx: _Cx, eqn, ins, want):
     """The scatters: row-wise when the operand's batch axis is a whole window of the updates
-    (``x.at[:, idx].set(u)``) or a batching dimension paired with the indices' and updates';
-    in a backward program a `scatter-add` of batched updates into zeros or a sum (an
-    embedding table's cotangent) is a `SUM`."""
+    (``x.at[:, idx].set(u)``) or a batching dimension paired with the indices' and updates'
+    (a vmapped scatter: a one-hot row per row); in a backward program a `scatter-add` of
+    batched updates into zeros or a sum (an embedding table's cotangent) is a `SUM`. The
+    operand's batch axis comes from whichever of the operand, the result's use, the indices
+    or the updates is batched, and every unbatched one of them is demanded batched alike (a
+    mask made with ``ones_like(h).at[:, 0].set(0)``)."""
     dn = eqn.params["dimension_numbers"]
     uwin = tuple(dn.update_window_dims)
     inserted = tuple(dn.inserted_window_dims)
     op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
     idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    n_out = len(eqn.outvars)
     n_in = len(ins)
     n_ops = (n_in - 1) // 2
     op_rank, upd_rank = len(cx.shape(0)), len(cx.shape(n_in - 1))
     window = [d for d in range(op_rank) if d not in inserted and d not in op_batching]
     upd_scatter = [d for d in range(upd_rank) if d not in uwin]
-    to, ti = ins[0], ins[n_ops]
-    tu = ins[n_ops + 1:]
-    if any(isinstance(t, Mix) for t in tu):
-        return [next(t for t in tu if isinstance(t, Mix))] * len(eqn.outvars)
-    tus = {int(t) for t in tu if is_axis(t)}
-    if len(tus) > 1:
-        return [cx.mix("updates batched along different axes")] * len(eqn.outvars)
-    au = tus.pop() if tus else None
+    ops, upds = range(n_ops), range(n_ops + 1, n_in)
+    ti = ins[n_ops]
+    for j in (*ops, *upds):
+        if isinstance(ins[j], Mix):
+            return [ins[j]] * n_out
+    a_op = _common(cx, ins, [w for w in want if w is not None], ops)
+    if isinstance(a_op, Mix):
+        return [a_op] * n_out
+    au = _common(cx, ins, [], upds)
+    if isinstance(au, Mix):
+        return [au] * n_out
     name = eqn.primitive.name
-    if au in upd_scatter and upd_scatter.index(au) in idx_batching and want[0] is None \
-            and not is_axis(to):
-        # per-row updates into per-row operands (take_along_axis's transpose): the operand
-        # is demanded batched along its paired batching dimension
-        d = op_batching[idx_batching.index(upd_scatter.index(au))]
-        if to is None and cx.demand(0, d):
-            to = d
-    elif cx.sums and name in ("scatter-add", "scatter_add") and au in upd_scatter \
-            and (to is None or to is SUM):
+    if cx.sums and name in ("scatter-add", "scatter_add") and au in upd_scatter \
+            and all(ins[j] is None or ins[j] is SUM for j in ops):
         i = upd_scatter.index(au)
-        if (ti is None or (is_axis(ti) and ti == i)) and (to is SUM or cx.zero(0)):
-            return [SUM] * len(eqn.outvars)
-    a = int(to) if is_axis(to) else (want[0] if want[0] is not None else None)
-    if a is None:  # updates batched, operand not
-        if au is not None and au in uwin:
-            d = window[uwin.index(au)]
-            if cx.shape(n_in - 1)[au] == cx.shape(0)[d] and cx.demand(0, d):
-                return [d] * len(eqn.outvars)
-        return [cx.mix("scatters batched updates across the batch's rows")] * len(eqn.outvars)
-    if a in window:
+        if i not in idx_batching and (ti is None or (is_axis(ti) and ti == i)) and all(
+                ins[j] is SUM or cx.zero(j) for j in ops):
+            return [SUM] * n_out  # batched updates summed into zeros or a sum: a table's
+    # The operand's batch axis, from what is batched.
+    a = a_op
+    if a is None and is_axis(ti) and ti in idx_batching:
+        a = op_batching[idx_batching.index(ti)]
+    if a is None and au is not None:
+        if au in uwin:
+            a = window[uwin.index(au)]
+        elif upd_scatter.index(au) in idx_batching:
+            a = op_batching[idx_batching.index(upd_scatter.index(au))]
+        else:
+            return [cx.mix("scatters batched updates across the batch's rows")] * n_out
+    if a is None:
+        if is_axis(ti):
+            return [cx.mix("batched indices scatter across the batch's rows")] * n_out
+        return [None] * n_out
+    if a in window:  # ``x.at[:, idx].set(u)``: the batch axis a whole window of the updates
         j = uwin[window.index(a)]
         if cx.shape(n_in - 1)[j] != cx.shape(0)[a] or ti is not None:
-            return [cx.mix("scatters along the batch axis")] * len(eqn.outvars)
-        for jj in range(n_ops + 1, n_in):
-            if ins[jj] is None and not cx.demand(jj, j):
-                return [cx.mix("updates that cannot be batched")] * len(eqn.outvars)
-            if is_axis(ins[jj]) and ins[jj] != j:
-                return [cx.mix("updates batched along another axis")] * len(eqn.outvars)
-        return [a] * len(eqn.outvars)
-    if a in op_batching:
-        p = op_batching.index(a)
-        ai = idx_batching[p]
+            return [cx.mix("scatters along the batch axis")] * n_out
+        ju = j
+    elif a in op_batching:  # a vmapped scatter: per-row indices and updates
+        ai = idx_batching[op_batching.index(a)]
         ju = upd_scatter[ai] if ai < len(upd_scatter) else None
-        if ju is None or not ((is_axis(ti) and ti == ai) or cx.demand(n_ops, ai)):
-            return [cx.mix("scatters across the batch's rows")] * len(eqn.outvars)
-        for jj in range(n_ops + 1, n_in):
-            if not ((is_axis(ins[jj]) and ins[jj] == ju) or cx.demand(jj, ju)):
-                return [cx.mix("updates batched along another axis")] * len(eqn.outvars)
-        return [a] * len(eqn.outvars)
-    return [cx.mix("scatters into the batch's rows by index")] * len(eqn.outvars)
+        if ju is None or not ((is_axis(ti) and ti == ai) or (ti is None and cx.demand(n_ops, ai))):
+            return [cx.mix("scatters across the batch's rows")] * n_out
+    else:
+        return [cx.mix("scatters into the batch's rows by index")] * n_out
+    for jj in upds:
+        if not ((is_axis(ins[jj]) and ins[jj] == ju) or (ins[jj] is None and cx.demand(jj, ju))):
+            return [cx.mix("updates batched along another axis")] * n_out
+    for jj in ops:
+        if not ((is_axis(ins[jj]) and ins[jj] == a) or (ins[jj] is None and cx.demand(jj, a))):
+            return [cx.mix("an operand that cannot be batched")] * n_out
+    return [a] * n_out
 
 
 def _linear_scatter(cx: _Cx, eqn, ins):
@@ -1193,6 +1336,460 @@ def _cond_linear(cx: _Cx, eqn, ins):
 
 
 register([compat.cond_p], _cond_types, _cond_linear)
+
+
+def _join(a, b, cx: _Cx):
+    """The type of a loop's carry that is `a` on entry and `b` after an iteration."""
+    for t in (a, b):
+        if isinstance(t, Mix):
+            return t
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    return cx.mix("a loop carry typed differently on entry and after an iteration")
+
+
+def _loop_carries(cx: _Cx, run, carry_ops: Sequence[int], carry_t: list, carry_want: list):
+    """A loop's carry types by a fixpoint: `run(cur)` types the body with carries `cur` and
+    returns (the body's carry inputs as typed, its carry outputs); a carry batched on one
+    side is batched on both (its initial value demanded batched: a broadcast of zeros
+    is). Returns the carry types or a `Mix`."""
+    cur = [t if t is not None else (w if is_axis(w) else None)
+           for t, w in zip(carry_t, carry_want)]
+    # In a backward program, a carry that starts as a sum over the batch or as zeros may be an
+    # accumulator of per-row terms (a parameter's cotangent summed over a loop): tried as a
+    # `SUM`, and typed unbatched instead if the body does not keep it one.
+    sums = [cx.sums and not is_axis(t) and (t is SUM or (t is None and cx.zero(j)))
+            for j, t in zip(carry_ops, carry_t)]
+    cur = [SUM if s_ else t for s_, t in zip(sums, cur)]
+    for _ in range(3 * len(cur) + 3):
+        body_in, body_out = run(cur)
+        dropped = [i for i, (c, o) in enumerate(zip(cur, body_out))
+                   if c is SUM and o is not SUM and carry_t[i] is not SUM]
+        if dropped:
+            cur = [None if i in dropped else c for i, c in enumerate(cur)]
+            continue
+        new = [c if c is SUM else _join(_join(c, i, cx), o, cx)
+               for c, i, o in zip(cur, body_in, body_out)]
+        bad = next((t for t in new if isinstance(t, Mix)), None)
+        if bad is not None:
+            return bad
+        if new == cur:
+            break
+        cur = new
+    else:  # pragma: no cover - each round only makes carries batched or drops a sum
+        return cx.mix("a loop's carries did not settle")
+    for j, t0, t in zip(carry_ops, carry_t, cur):
+        if is_axis(t) and t0 is None and not cx.demand(j, t):
+            return cx.mix("a loop carry's initial value cannot be batched")
+    return cur
+
+
+def _scan_types(cx: _Cx, eqn, ins, want):
+    """`scan` (and what lowers to one: `fori_loop` with static bounds, `lax.map`, an RNN over
+    tokens): over another axis, the body typed with its carries by a fixpoint (a carry
+    batched in one iteration is batched in all) and its ``xs``/``ys`` one axis shorter; over
+    the batch axis itself (`lax.map` over rows), row-wise when nothing carries from row to
+    row (`_scan_over_rows`)."""
+    n = len(eqn.outvars)
+    nc, ncar = compat.scan_split(eqn)
+    closed = eqn.params["jaxpr"]
+    consts_t, carry_t, xs_t = list(ins[:nc]), list(ins[nc:nc + ncar]), list(ins[nc + ncar:])
+    nx = len(xs_t)
+    carry_want, ys_want = list(want[:ncar]), list(want[ncar:])
+    if any(t == 0 for t in xs_t if is_axis(t)) or any(w == 0 for w in ys_want if is_axis(w)):
+        return _scan_over_rows(cx, eqn, ins, want, nc, ncar)
+    if any(t is SUM for t in consts_t):
+        return [cx.mix("a sum over the batch read inside a loop")] * n
+    ops = list(range(len(ins)))
+    body_xs = [t - 1 if is_axis(t) else t for t in xs_t]
+    body_ys_want = [w - 1 if is_axis(w) else None for w in ys_want]
+    shift = [0] * (nc + ncar) + [1] * nx
+    last: list = []
+
+    def run(cur):
+        outs = cx.sub(0, closed, [*consts_t, *cur, *body_xs], eqn.invars,
+                      [*cur, *body_ys_want], shift)
+        child = cx.typing.sub(cx.index, 0)
+        last[:] = [outs]
+        return child.in_types[nc:nc + ncar], outs[:ncar]
+
+    # a carry that starts as a sum over the batch (a backward's accumulator) or as zeros
+    # and adds sums stays one
+    cur = _loop_carries(cx, run, ops[nc:nc + ncar], carry_t, carry_want)
+    if isinstance(cur, Mix):
+        return [cur] * n
+    ys = [o + 1 if is_axis(o) else o for o in last[0][ncar:]]
+    return [*cur, *ys]
+
+
+def _scan_over_rows(cx: _Cx, eqn, ins, want, nc: int, ncar: int):
+    """A scan over the batch axis itself (``lax.map(f, x)``): each iteration one row, so it is
+    row-wise when every ``xs`` is batched along the scanned axis (or made so), the constants
+    are not batched (every iteration would read the whole batch) and no carry depends on a
+    row (none carries from row to row); its ``ys`` are batched along the scanned axis, and
+    at a slice it runs ``length / k`` iterations (`_resize_scan`)."""
+    n = len(eqn.outvars)
+    consts_t, carry_t = ins[:nc], ins[nc:nc + ncar]
+    if any(t is not None for t in (*consts_t, *carry_t)):
+        return [cx.mix("a loop over the batch's rows reads batched values whole")] * n
+    if any(is_axis(w) for w in want[:ncar]):
+        return [cx.mix("a loop over the batch's rows carries a value the batch meets")] * n
+    for j in range(nc + ncar, len(ins)):
+        if not (ins[j] == 0 or (ins[j] is None and cx.demand(j, 0))):
+            return [cx.mix("a loop over the batch's rows scans a value along another axis")] * n
+    jaxpr, consts = compat.jaxpr_and_consts(eqn.params["jaxpr"])
+    row = Mix("a row of the batch")
+    typing = cx.pas.run(jaxpr, consts, [*consts_t, *carry_t, *[row] * (len(ins) - nc - ncar)],
+                        (*cx.typing.path, (cx.index, "rows")))
+    if typing.fatal:
+        return [cx.mix("a loop over the batch's rows has effects")] * n
+    carries = []
+    for i, t in enumerate(typing.out_types[:ncar]):
+        if t is None:
+            carries.append(None)
+        elif cx.pas.sums and (carry_t[i] is SUM or cx.zero(nc + i)) and _row_sum(
+                jaxpr, nc, ncar, i):
+            carries.append(SUM)  # the backward's accumulator of per-row terms
+        else:
+            return [cx.mix("a loop over the batch's rows carries a value from row to row")] * n
+    return [*carries, *[0] * (n - ncar)]
+
+
+def _row_sum(jaxpr, nc: int, ncar: int, i: int) -> bool:
+    """Whether carry `i` of a scan body is ``carry_i + term`` with a term that depends on no
+    carry: summed over the iterations (rows), a sum of per-row terms."""
+    carry_in = set(jaxpr.invars[nc:nc + ncar])
+    dep: dict = {}
+    for eqn in jaxpr.eqns:
+        d = any(not compat.is_literal(v) and (v in carry_in or dep.get(v, False))
+                for v in eqn.invars)
+        for v in eqn.outvars:
+            dep[v] = d
+    out = jaxpr.outvars[i]
+    eqn = _producers(jaxpr).get(out)
+    if eqn is None or eqn.primitive.name not in ("add", "add_any"):
+        return False
+    a, b = eqn.invars
+    mine = jaxpr.invars[nc + i]
+    for x, y in ((a, b), (b, a)):
+        if x is mine and (compat.is_literal(y) or not (y in carry_in or dep.get(y, False))):
+            return True
+    return False
+
+
+def _resize_scan(eqn, typing, k):
+    """A scan over the batch's rows at a slice: ``length / k`` iterations."""
+    nc, ncar = compat.scan_split(eqn)
+    if any(typing.axis(v) == 0 for v in eqn.invars[nc + ncar:]):
+        return dict(eqn.params, length=eqn.params["length"] // k)
+    return None
+
+
+def _while_types(cx: _Cx, eqn, ins, want):
+    """`while_loop`: its body typed as a scan's (carries by a fixpoint); row-wise when the
+    loop's predicate does not depend on the batch (the trip count is every row's)."""
+    n = len(eqn.outvars)
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts_t, bconsts_t = list(ins[:cn]), list(ins[cn:cn + bn])
+    carry_t = list(ins[cn + bn:])
+    if any(t is SUM for t in ins):
+        return [cx.mix("a sum over the batch read inside a loop")] * n
+    ops = list(range(len(ins)))
+    # jaxprs_in_params order: cond_jaxpr (0), body_jaxpr (1)
+    pred: list = []
+
+    def run(cur):
+        outs = cx.sub(1, p["body_jaxpr"], [*bconsts_t, *cur],
+                      [*eqn.invars[cn:cn + bn], *eqn.invars[cn + bn:]], list(cur))
+        child = cx.typing.sub(cx.index, 1)
+        pred[:] = cx.sub(0, p["cond_jaxpr"], [*cconsts_t, *cur],
+                         [*eqn.invars[:cn], *eqn.invars[cn + bn:]], [None])
+        cond_in = cx.typing.sub(cx.index, 0).in_types[cn:]
+        body_in = child.in_types[bn:]
+        return [_join(a, b, cx) for a, b in zip(body_in, cond_in)], outs
+
+    cur = _loop_carries(cx, run, ops[cn + bn:], carry_t, list(want))
+    if isinstance(cur, Mix):
+        return [cur] * n
+    if pred and pred[0] is not None:
+        return [pred[0] if isinstance(pred[0], Mix) else
+                cx.mix("the loop's trip count depends on the batch's rows")] * n
+    return cur
+
+
+register([compat.scan_p], _scan_types, None, _resize_scan)
+register([compat.while_p], _while_types)
+
+
+def _hi_primitive_types(cx: _Cx, eqn, ins, want):
+    """JAX 0.12's hi-primitives (`call_hi_primitive`: `jnp.searchsorted` in `jnp.interp`, ...):
+    analysed through the program they expand to (`compat.hi_primitive_expansion`), which is
+    what runs at a slice (`resize.py`)."""
+    closed = compat.hi_primitive_expansion(eqn)
+    if closed is None:
+        return [cx.mix("a hi-primitive whose expansion this analysis cannot read")] * len(
+            eqn.outvars)
+    return cx.sub(0, closed, ins, eqn.invars, want)
+
+
+register([compat.call_hi_primitive_p], _hi_primitive_types)
+
+
+# ------------------------------------------------------------------------ row positions
+# How a `Position` passes: through what only moves it (broadcasts, reshapes, integer casts,
+# JAX's normalization of negative indices, the concatenation of index vectors) and into the
+# gathers and scatters that index the batch axis by it. Each rule returns None where it does
+# not apply: the position is then plain mixing.
+
+_POSITION_RULES: dict = {}
+
+
+def _position_of(ins) -> Position | None:
+    ps = [t for t in ins if isinstance(t, Position)]
+    return ps[0] if len(ps) == 1 else None
+
+
+def _pos_broadcast(cx: _Cx, eqn, ins, want):
+    p = ins[0]
+    if not isinstance(p, Position) or p.comp is not None or p.derived or p.ids or any(
+            t is not None for t in ins[1:]):
+        return None
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    a = dims[p.axis]
+    if want[0] is not None and want[0] != a:
+        return None
+    return [Position(p.why, a)]
+
+
+def _pos_reshape(cx: _Cx, eqn, ins, want):
+    p = ins[0]
+    if not isinstance(p, Position) or p.comp is not None or p.derived or p.ids or \
+            eqn.params.get("dimensions"):
+        return None
+    j = _reshape_axis(cx.shape(0), p.axis, cx.out_shape(), cx.batch)
+    src, dst = cx.shape(0), cx.out_shape()
+    # only unit axes added or removed: the position stays one value per row
+    if j is None or [d for d in src if d != 1] != [d for d in dst if d != 1]:
+        return None
+    return [Position(p.why, j)]
+
+
+def _pos_cast(cx: _Cx, eqn, ins, want):
+    p = ins[0]
+    if not isinstance(p, Position) or p.derived or p.ids or not jax.numpy.issubdtype(
+            eqn.params["new_dtype"], jax.numpy.integer):
+        return None
+    return [Position(p.why, p.axis, p.comp, p.rest)]
+
+
+def _pos_derived(cx: _Cx, eqn, ins, want):
+    """``lt(p, 0)`` and ``add(p, n)`` of a position by a literal: the pieces of JAX's
+    normalization of negative indices (`_pos_normalized`), batch-long along its axis, and
+    mixing for any other use."""
+    p = ins[0]
+    if not isinstance(p, Position) or p.comp is not None or p.derived or p.ids or \
+            not all(compat.is_literal(v) and np.ndim(v.val) == 0 for v in eqn.invars[1:]):
+        return None
+    return [Position(p.why, p.axis, derived=True)]
+
+
+def _pos_normalized(cx: _Cx, eqn, ins, want):
+    """``select_n(lt(p, 0), p, add(p, n))``: JAX's normalization of negative indices, which
+    leaves a position (never negative) as it is."""
+    if len(ins) != 3 or not isinstance(ins[1], Position) or ins[1].derived or ins[1].ids:
+        return None
+    producer = cx.typing.producer()
+    pred, p, other = eqn.invars
+    lt, add = producer.get(pred), producer.get(other)
+    if lt is None or add is None or lt.primitive.name != "lt" or add.primitive.name != "add":
+        return None
+    if lt.invars[0] is not p or not compat.is_literal(lt.invars[1]) or \
+            np.any(np.asarray(lt.invars[1].val) != 0):
+        return None
+    if p not in add.invars or not all(v is p or compat.is_literal(v) for v in add.invars):
+        return None
+    return [ins[1]]
+
+
+def _pos_concatenate(cx: _Cx, eqn, ins, want):
+    """Index vectors concatenated along the last axis (JAX's advanced indexing): one piece the
+    position, the others per row or not batched."""
+    r = len(cx.out_shape())
+    if eqn.params["dimension"] != r - 1:
+        return None
+    comp, pos, rest = 0, None, set()
+    for j, t in enumerate(ins):
+        size = cx.shape(j)[-1]
+        if isinstance(t, Position):
+            if pos is not None or t.comp is not None or t.derived or t.ids or size != 1 \
+                    or t.axis == r - 1:
+                return None
+            pos = (t, comp)
+        elif isinstance(t, Mix) or t is SUM:
+            return None
+        elif t is not None:
+            rest.add(int(t))
+        comp += size
+    if pos is None:
+        return None
+    p, c = pos
+    if rest - {p.axis}:
+        return None
+    for j, t in enumerate(ins):
+        if t is None and cx.shape(j)[p.axis] != 1 and not cx.demand(j, p.axis):
+            return None
+    return [Position(p.why, p.axis, c, p.axis if rest else None)]
+
+
+def _pos_index(cx: _Cx, eqn, ins, want, n_ops: int, op_dim_of_comp, idx_j: int,
+               is_scatter: bool):
+    """A gather or scatter whose index vectors hold the position along the indices' axis
+    `t.axis` in the component that indexes operand dimension d: the batch axis is d for the
+    operands, `t.axis` for the indices, and the matching axis for the updates/result."""
+    t = ins[idx_j]
+    if not isinstance(t, Position) or t.comp is None or t.derived or t.ids:
+        return None
+    d = op_dim_of_comp(t.comp)
+    if d is None:
+        return None
+    n_out = len(eqn.outvars)
+    for j in range(n_ops):
+        if not ((is_axis(ins[j]) and ins[j] == d) or (ins[j] is None and cx.demand(j, d))):
+            return None
+    return d, t.axis, n_out
+
+
+def _pos_gather(cx: _Cx, eqn, ins, want):
+    dn = eqn.params["dimension_numbers"]
+    start = tuple(dn.start_index_map)
+    found = _pos_index(cx, eqn, ins, want, 1,
+                       lambda c: start[c] if c < len(start) else None, 1, False)
+    if found is None:
+        return None
+    d, ai, _ = found
+    offset = tuple(dn.offset_dims)
+    out_batch = [k for k in range(len(cx.out_shape())) if k not in offset]
+    # the batch axis of the operand is collapsed (indexed by the position): the result's
+    # batch axis is the indices' position axis
+    if d not in tuple(dn.collapsed_slice_dims) or ai >= len(out_batch):
+        return None
+    return [out_batch[ai]]
+
+
+def _pos_scatter(cx: _Cx, eqn, ins, want):
+    dn = eqn.params["dimension_numbers"]
+    n_in = len(ins)
+    n_ops = (n_in - 1) // 2
+    s2o = tuple(dn.scatter_dims_to_operand_dims)
+    found = _pos_index(cx, eqn, ins, want, n_ops,
+                       lambda c: s2o[c] if c < len(s2o) else None, n_ops, True)
+    if found is None:
+        return None
+    d, ai, n_out = found
+    if d not in tuple(dn.inserted_window_dims):
+        return None
+    uwin = tuple(dn.update_window_dims)
+    upd_rank = len(cx.shape(n_in - 1))
+    upd_scatter = [k for k in range(upd_rank) if k not in uwin]
+    if ai >= len(upd_scatter):
+        return None
+    ju = upd_scatter[ai]
+    for jj in range(n_ops + 1, n_in):
+        if not ((is_axis(ins[jj]) and ins[jj] == ju) or (ins[jj] is None and cx.demand(jj, ju))):
+            return None
+    return [d] * n_out
+
+
+_SCATTERS = frozenset(_named("scatter", "scatter-add", "scatter_add", "scatter_mul",
+                              "scatter_min", "scatter_max", "scatter_sub"))
+_IDS_MOVES = frozenset([lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p, lax.transpose_p,
+                        lax.convert_element_type_p, lax.add_p])
+_IDS_COMPARE = frozenset(_named("eq", "ne"))
+
+
+def _constant(cx: _Cx, v) -> bool:
+    """Whether `v` is a literal, or a broadcast of a scalar literal (the same everywhere)."""
+    if compat.is_literal(v):
+        return np.ndim(v.val) == 0
+    e = cx.typing.producer().get(v)
+    return (e is not None and e.primitive is lax.broadcast_in_dim_p
+            and compat.is_literal(e.invars[0]) and np.ndim(e.invars[0].val) == 0)
+
+
+def _ids_rule(cx: _Cx, eqn, ins, want):
+    """An injective labeling of the batch's elements (`Position` with ``ids``, or a row
+    position, injective too), moved (reshaped, broadcast, cast, shifted by an unbatched
+    value, scattered or gathered by per-row indices: still one label per element, batch-major)
+    or compared for equality (a row-wise result: labels of one row are equal only to labels of
+    that row). JAX's JVP of a scatter with possibly repeated indices does exactly this."""
+    prim = eqn.primitive
+
+    def data(t):
+        return isinstance(t, Position) and t.comp is None and not t.derived
+
+    def view(t):
+        return t.axis if data(t) else t
+
+    if prim in _IDS_COMPARE:
+        if not any(data(t) for t in ins) or any(
+                isinstance(t, Mix) and not data(t) for t in ins):
+            return None
+        return _broadcasting_types(cx, eqn, [view(t) for t in ins], want)
+    if prim in _SCATTERS or prim is lax.gather_p:
+        idx = (len(ins) - 1) // 2 if prim in _SCATTERS else 1
+        if not any(data(t) for j, t in enumerate(ins) if j != idx):
+            return None
+        viewed = [t if j == idx else view(t) for j, t in enumerate(ins)]
+        if any(isinstance(t, Mix) and not isinstance(t, Position) for t in viewed):
+            return None
+        if isinstance(viewed[idx], Position):
+            outs = (_pos_scatter if prim in _SCATTERS else _pos_gather)(cx, eqn, viewed, want)
+        elif isinstance(viewed[idx], Mix):
+            return None
+        else:
+            outs = (_scatter_types if prim in _SCATTERS else _gather_types)(cx, eqn, viewed,
+                                                                            want)
+    elif prim in _IDS_MOVES:
+        if prim is lax.convert_element_type_p and not jax.numpy.issubdtype(
+                eqn.params["new_dtype"], jax.numpy.integer):
+            return None
+        if prim is lax.add_p and not (sum(data(t) for t in ins) == 1 and all(
+                data(t) or t is None or _constant(cx, v) for t, v in zip(ins, eqn.invars))):
+            return None  # (a shift by one value keeps labels distinct; JAX adds ones)
+        viewed = [view(t) for t in ins]
+        if any(isinstance(t, Mix) for t in viewed):
+            return None
+        outs = rule_for(prim).types(cx, eqn, viewed, want)
+    else:
+        return None
+    if outs is None or not all(is_axis(o) for o in outs):
+        return None
+    why = next(t for t in ins if isinstance(t, Position)).why
+    return [Position(why, int(o), ids=True) for o in outs]
+
+
+def _pos_identity(cx: _Cx, eqn, ins, want):
+    """Identities on values (a sharding constraint, a copy, a checkpoint name): the position
+    or the labels pass as they are."""
+    if len(ins) != 1 or not isinstance(ins[0], Position):
+        return None
+    return [ins[0]] * len(eqn.outvars)
+
+
+for _p in (compat.copy_p, *_named("copy"), compat.name_p, compat.sharding_constraint_p,
+           compat.pvary_p, compat.optimization_barrier_p):
+    if _p is not None:
+        _POSITION_RULES[_p] = _pos_identity
+_POSITION_RULES.update({lax.lt_p: _pos_derived, lax.add_p: _pos_derived,
+                        lax.broadcast_in_dim_p: _pos_broadcast, lax.reshape_p: _pos_reshape,
+                        lax.convert_element_type_p: _pos_cast, lax.select_n_p: _pos_normalized,
+                        lax.concatenate_p: _pos_concatenate, lax.gather_p: _pos_gather})
+for _p in _named("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+                 "scatter_max", "scatter_sub"):
+    _POSITION_RULES[_p] = _pos_scatter
 
 
 # ------------------------------------------------------------------------ same program
@@ -1319,6 +1916,11 @@ def same_program(full, sliced, k: int, typing: Typing | None = None, consts_full
         for key in e1.params:
             x, y = e1.params[key], e2.params[key]
             if key in _LAYOUT_PARAMS:
+                continue
+            if key == "length" and e1.primitive is compat.scan_p and ty is not None and any(
+                    ty.axis(v) == 0 for v in e1.invars[sum(compat.scan_split(e1)):]):
+                if x != k * y:  # a scan over the batch's rows: k times fewer at a slice
+                    return differ(f"param length {x} vs {y}", e1)
                 continue
             if key in _SHAPE_PARAMS and isinstance(x, (tuple, list)) \
                     and isinstance(y, (tuple, list)) \
