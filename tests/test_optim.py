@@ -588,6 +588,34 @@ def test_update_peak_is_at_most_the_float32_masters(name):
     assert args + temp <= ref, (args, temp, ref)
 
 
+@pytest.mark.parametrize("moments", _CODED)
+def test_both_block_views_give_the_same_moments(moments):
+    """The update views a block as rows of 32 on CPU (`lax.platform_dependent`) and as one row
+    elsewhere: only XLA's fusion differs (maxima are exact, the rest elementwise), so both
+    views, run on this host, give the same moments (bit for bit here; allowed an ulp, as XLA
+    may contract a multiply-add in one program and not the other) and the same codes (but
+    where such an ulp moved a value across its random rounding threshold: at most 1 in
+    1000); the update lowers for a TPU too."""
+    from hifigrad._src import compat
+    from hifigrad._src import optim_codes as codes
+    shape = (16, 4, 32)
+    rng = np.random.default_rng(2)
+    mu, nu = codes.zeros(moments, shape)
+    for step in range(3):
+        g = jnp.asarray(rng.normal(size=shape) * np.logspace(-3, 0, 32), jnp.float32)
+        bits = codes.leaf_bits32(0, step, 0, shape)
+        outs = [jax.jit(lambda g, mu, nu, b, split=split: codes._update(
+            moments, g, mu, nu, b, b1=0.9, b2=0.999, split=split))(g, mu, nu, bits)
+            for split in (True, False)]
+        for a, b in zip(jax.tree.leaves(outs[0][:2]), jax.tree.leaves(outs[1][:2])):
+            assert np.mean(np.asarray(a) != np.asarray(b)) <= 1e-3
+        for a, b in zip(outs[0][2:], outs[1][2:]):
+            np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=1)
+        mu, nu = outs[0][:2]
+    update = jax.jit(lambda g, mu, nu, b: codes.update(moments, g, mu, nu, b, 0.9, 0.999))
+    assert "stablehlo" in compat.lower_for(update, (g, mu, nu, bits), "tpu")
+
+
 def test_unknown_moments_is_an_error():
     with pytest.raises(ValueError, match="moments must be one of"):
         hg.optim.scale_by_adam(moments="fp8")
