@@ -1,41 +1,58 @@
 """Training state at float32 quality without float32 copies: `hifigrad.optim`'s
 configurations trained side by side on two language models (CPU), against float32 master
-weights and naive bf16 AdamW.
+weights and naive bf16 AdamW, and the update step's own cost.
 
 Models (bf16 parameters, bf16 compute, float32 gradients from `hg.grad`, the same seeds,
 data and steps for every configuration):
 
 * ``demo``: the demo's GPT (`hifigrad.demo.model`: 4 pre-LN blocks, d_model 64, byte-level,
   64-byte context, batch 16) on the demo's corpus (the Python standard library's source);
-* ``flax``: a Flax linen Transformer LM (4 blocks of `nn.SelfAttention` with a causal mask and
-  an `nn.Dense` GELU MLP, d_model 64, RMS-free LayerNorm) on the same corpus.
+* ``lm1b``: the Flax lm1b example's ``TransformerLM`` (examples/lm1b/models.py, written
+  again here with its modules: ``nn.Embed``, sinusoidal positions, pre-LN
+  ``EncoderDecoder1DBlock`` of ``nn.SelfAttention`` (no bias, causal and padding masks) and a
+  ReLU ``MlpBlock``, dropout 0.1, ``encoderdecoder_norm``, a ``logitdense`` output), at 2
+  layers, emb/qkv 128, MLP 512, 4 heads of 32 (the attention kernels' last axis is 32 wide),
+  with ``param_dtype`` bf16, on the same corpus as bytes (vocabulary 256, 128-byte
+  examples, batch 16).
 
-AdamW (lr 3e-3 with 20 warm-up steps and cosine decay to 3e-5, weight decay 0.1, b2 0.99),
-``--steps`` steps. Configurations (state beside the bf16 parameter; bytes per parameter in
-all, parameters included, are *measured*: the compiled train step's
-``memory_analysis().argument_size_in_bytes`` less the batch's, over the parameter count):
+Optimizer: AdamW as lm1b trains (b1 0.9, b2 0.98, eps 1e-9, weight decay 0.1), lr 3e-3 with
+25 warm-up steps and cosine decay to 3e-5 over ``--steps`` steps, then a *late phase* of
+``--late-steps`` more steps at a constant 3e-5, each configuration keeping its own parameters
+and state (one run of ``--steps`` + ``--late-steps``). Most of Adam's steps there are under
+half a bf16 ulp of their parameter. Configurations (bytes per parameter, parameters and
+state, are *measured*: the compiled train step's ``memory_analysis().argument_size_in_bytes``
+less the batch's and the dropout key's, over the parameter count):
 
-* ``f32-master``: `master_weights(optax.adamw)`: float32 master and moments (the reference,
-  trained with ``--seeds`` seeds for the seed-to-seed spread);
+* ``f32-master``: `master_weights(optax.adamw)` (the reference, ``--seeds`` seeds for the
+  seed-to-seed spread);
 * ``naive-bf16``: plain ``optax.adamw`` on the bf16 parameters with ``jax.grad``'s bf16
-  gradients and bf16 moments: updates under half an ulp are lost (the failing baseline);
-* ``split``: `master_weights(optax.adamw, master="split")`: the master's low 16 bits;
-* ``split+fp16``, ``split+8bit``: the same with `adamw(moments="fp16")` (block-scaled
-  float16 moments) or ``moments="8bit"``;
-* ``kahan+fp16``, ``kahan+bf16``, ``kahan+8bit``: `kahan(adamw(moments=...))`: a bf16
-  compensation beside each parameter;
-* ``sr+bf16``: `stochastic_rounding(adamw(moments="bf16"))`: nothing beside the parameter.
+  gradients and bf16 moments (``mu_dtype``);
+* ``split``, ``split+fp16``, ``split+8bit``: `master_weights(..., master="split")` (the
+  master's low 16 bits) with float32, ``"fp16"`` or ``"8bit"`` moments (`hg.optim.adamw`);
+* ``split8+8bit``, ``split8+4bit``: ``master="split8"`` (a 24-bit master: 8 bits beside the
+  parameter, rounded stochastically) with 8-bit or 4-bit moments;
+* ``kahan+bf16``: `kahan(adamw(moments="bf16"))`;
+* ``sr+bf16``, ``sr+8bit``, ``sr+4bit``: `stochastic_rounding(adamw(moments=...))`.
 
-Then the *late phase*: from the float32 master's trained parameters, every configuration
-trains ``--late-steps`` more steps at a constant learning rate of 1e-5 (no weight decay, a
-fresh optimizer state, the same batches), where most updates are under half a bf16 ulp.
+Per configuration: validation loss after the main phase and after the late phase; the late
+gain (the first minus the second) as a fraction of the float32 master's (its seed 0: the
+same initialization and batches; and of its seeds' mean); whether the final loss lies within
+the float32 master's seeds' spread; the fraction of parameter elements the late phase
+changed.
 
-Run from the repository root (about 30 minutes on 2 CPU cores)::
+Run from the repository root (about 45 minutes on 2 CPU cores)::
 
     PYTHONPATH=. python benchmarks/optim_bench.py
 
 It writes ``benchmarks/results/optim_cpu.md``, ``.json`` and ``optim_curves.png`` (the loss
 curves, also the guide's figure: ``docs/img/optim_curves.png``).
+
+``--update-cost`` measures the update alone (``tx.update`` and ``optax.apply_updates``,
+jitted, parameters and state donated) on ``--update-params`` synthetic bf16 parameters
+(default 33.6M; ``--update-params 134e6`` for a 100M+ run on an accelerator) and on both
+models' own parameters: each configuration's time as a ratio to the float32 master's,
+measured side by side, and its arguments and temporaries from ``memory_analysis()``. It
+writes ``optim_update_<backend>.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -59,83 +76,129 @@ from hifigrad.demo import model as M  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BF16 = jnp.bfloat16
-SEQ, BATCH, D_MODEL, LAYERS, HEADS = 64, 16, 64, 4, 4
-LR, WARMUP, FINAL_LR, WD, B2 = 3e-3, 20, 3e-5, 0.1, 0.99
-TARGET_BYTES = 8.0
-LATE_LR, LATE_DATA_SEED = 1e-5, 777
+BATCH = 16
+LR, WARMUP, LATE_LR = 3e-3, 25, 3e-5
+B1, B2, EPS, WD = 0.9, 0.98, 1e-9, 0.1       # lm1b's AdamW
+TARGET_BYTES = 4.0
+A = hg.optim.adamw
 
 
 def schedule(steps):
-    return optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, steps, FINAL_LR)
+    """Warm-up and cosine decay to the late learning rate over `steps`, then constant."""
+    return optax.join_schedules(
+        [optax.warmup_cosine_decay_schedule(0.0, LR, min(WARMUP, steps // 2), steps, LATE_LR),
+         optax.constant_schedule(LATE_LR)], [steps])
 
 
-def configs(steps, lr=None, wd=WD) -> dict:
-    lr = schedule(steps) if lr is None else lr
-    kw = dict(b2=B2, weight_decay=wd)
+def configs(lr) -> dict:
+    kw = dict(b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+    mw = hg.optim.master_weights
     return {
-        "f32-master": lambda: hg.optim.master_weights(optax.adamw(lr, **kw)),
+        "f32-master": lambda: mw(optax.adamw(lr, **kw)),
         "naive-bf16": lambda: optax.adamw(lr, mu_dtype=BF16, **kw),
-        "split": lambda: hg.optim.master_weights(optax.adamw(lr, **kw), master="split"),
-        "split+fp16": lambda: hg.optim.master_weights(
-            hg.optim.adamw(lr, moments="fp16", **kw), master="split"),
-        "split+8bit": lambda: hg.optim.master_weights(
-            hg.optim.adamw(lr, moments="8bit", **kw), master="split"),
-        "kahan+fp16": lambda: hg.optim.kahan(hg.optim.adamw(lr, moments="fp16", **kw)),
-        "kahan+bf16": lambda: hg.optim.kahan(hg.optim.adamw(lr, moments="bf16", **kw)),
-        "kahan+8bit": lambda: hg.optim.kahan(hg.optim.adamw(lr, moments="8bit", **kw)),
-        "sr+bf16": lambda: hg.optim.stochastic_rounding(
-            hg.optim.adamw(lr, moments="bf16", **kw)),
+        "split": lambda: mw(optax.adamw(lr, **kw), master="split"),
+        "split+fp16": lambda: mw(A(lr, moments="fp16", **kw), master="split"),
+        "split+8bit": lambda: mw(A(lr, moments="8bit", **kw), master="split"),
+        "split8+8bit": lambda: mw(A(lr, moments="8bit", **kw), master="split8"),
+        "split8+4bit": lambda: mw(A(lr, moments="4bit", **kw), master="split8"),
+        "kahan+bf16": lambda: hg.optim.kahan(A(lr, moments="bf16", **kw)),
+        "sr+bf16": lambda: hg.optim.stochastic_rounding(A(lr, moments="bf16", **kw)),
+        "sr+8bit": lambda: hg.optim.stochastic_rounding(A(lr, moments="8bit", **kw)),
+        "sr+4bit": lambda: hg.optim.stochastic_rounding(A(lr, moments="4bit", **kw)),
     }
 
 
 # ------------------------------------------------------------------ the models
 
 def demo_model(seed):
-    cfg = M.ModelConfig(n_layers=LAYERS, d_model=D_MODEL, n_heads=HEADS, seq_len=SEQ)
+    cfg = M.ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=64)
     params = jax.tree.map(lambda a: jnp.asarray(a, BF16), M.init_params(seed, cfg))
 
-    def loss(params, batch):
+    def loss(params, batch, rng):
+        del rng
         return M.loss_fn(cfg, params, batch, BF16)
 
-    return params, loss
+    return params, loss, cfg.seq_len
 
 
-def flax_model(seed):
+LM1B = dict(vocab=256, emb=128, qkv=128, mlp=512, heads=4, layers=2, seq=128, dropout=0.1)
+
+
+def lm1b_model(seed):
+    """The Flax lm1b example's TransformerLM (examples/lm1b/models.py), at the size above,
+    with bf16 parameters (``param_dtype``) and compute (``dtype``)."""
     import flax.linen as nn
 
-    class Block(nn.Module):
+    c = LM1B
+    kernel_init = nn.initializers.xavier_uniform()
+    bias_init = nn.initializers.normal(stddev=1e-6)
+
+    def sinusoidal(max_len, d):
+        pe = np.zeros((max_len, d), np.float32)
+        position = np.arange(max_len)[:, None]
+        div = np.exp(np.arange(d // 2) * -np.log(10000.0) / (d // 2 - 1))
+        pe[:, : d // 2] = np.sin(position * div)
+        pe[:, d // 2: 2 * (d // 2)] = np.cos(position * div)
+        return jnp.asarray(pe[None])
+
+    class MlpBlock(nn.Module):
         @nn.compact
-        def __call__(self, x):
-            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-            h = nn.LayerNorm(dtype=BF16, param_dtype=BF16)(x)
-            x = x + nn.SelfAttention(num_heads=HEADS, dtype=BF16, param_dtype=BF16)(h, mask)
-            h = nn.LayerNorm(dtype=BF16, param_dtype=BF16)(x)
-            h = nn.gelu(nn.Dense(4 * D_MODEL, dtype=BF16, param_dtype=BF16)(h))
-            return x + nn.Dense(D_MODEL, dtype=BF16, param_dtype=BF16)(h)
+        def __call__(self, x, deterministic):
+            out = x.shape[-1]
+            x = nn.Dense(c["mlp"], dtype=BF16, param_dtype=BF16, kernel_init=kernel_init,
+                         bias_init=bias_init)(x)
+            x = nn.Dropout(c["dropout"])(nn.relu(x), deterministic=deterministic)
+            x = nn.Dense(out, dtype=BF16, param_dtype=BF16, kernel_init=kernel_init,
+                         bias_init=bias_init)(x)
+            return nn.Dropout(c["dropout"])(x, deterministic=deterministic)
 
-    class LM(nn.Module):
+    class Block(nn.Module):   # EncoderDecoder1DBlock
         @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(256, D_MODEL, dtype=BF16, param_dtype=BF16)(tokens)
-            pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, D_MODEL), BF16)
-            x = x + pos[None, : tokens.shape[1]]
-            for _ in range(LAYERS):
-                x = Block()(x)
-            x = nn.LayerNorm(dtype=BF16, param_dtype=BF16)(x)
-            return nn.Dense(256, dtype=BF16, param_dtype=BF16)(x)
+        def __call__(self, inputs, mask, deterministic):
+            x = nn.LayerNorm(dtype=BF16, param_dtype=BF16)(inputs)
+            x = nn.SelfAttention(num_heads=c["heads"], dtype=BF16, param_dtype=BF16,
+                                 qkv_features=c["qkv"], kernel_init=kernel_init,
+                                 bias_init=bias_init, use_bias=False, broadcast_dropout=False,
+                                 dropout_rate=c["dropout"], deterministic=deterministic)(x, mask)
+            x = nn.Dropout(c["dropout"])(x, deterministic=deterministic) + inputs
+            z = nn.LayerNorm(dtype=BF16, param_dtype=BF16)(x)
+            return x + MlpBlock()(z, deterministic)
 
-    lm = LM()
-    params = lm.init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))
+    class TransformerLM(nn.Module):
+        @nn.compact
+        def __call__(self, inputs, deterministic):
+            mask = nn.combine_masks(
+                nn.make_attention_mask(inputs > 0, inputs > 0, dtype=BF16),
+                nn.make_causal_mask(inputs, dtype=BF16))
+            y = jnp.pad(inputs, ((0, 0), (1, 0)))[:, :-1]             # shift_right
+            y = nn.Embed(c["vocab"], c["emb"], param_dtype=BF16, dtype=BF16,
+                         embedding_init=nn.initializers.normal(stddev=1.0))(y)
+            y = y + sinusoidal(c["seq"], c["emb"])[:, : y.shape[1]].astype(BF16)
+            y = nn.Dropout(c["dropout"])(y, deterministic=deterministic).astype(BF16)
+            for i in range(c["layers"]):
+                y = Block(name=f"encoderdecoderblock_{i}")(y, mask, deterministic)
+            y = nn.LayerNorm(dtype=BF16, param_dtype=BF16, name="encoderdecoder_norm")(y)
+            return nn.Dense(c["vocab"], dtype=BF16, param_dtype=BF16, kernel_init=kernel_init,
+                            bias_init=bias_init, name="logitdense")(y)
 
-    def loss(params, batch):
-        logits = lm.apply(params, batch[:, :-1]).astype(jnp.float32)
+    lm = TransformerLM()
+    params = lm.init(jax.random.key(seed), jnp.ones((1, c["seq"]), jnp.int32), True)
+
+    def loss(params, batch, rng):
+        """lm1b's cross entropy (no label smoothing) over the non-padding tokens; dropout
+        from `rng` (None: evaluation)."""
+        inputs = batch[:, : c["seq"]]
+        logits = lm.apply(params, inputs, rng is None,
+                          rngs=None if rng is None else {"dropout": rng}).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, -1)
-        return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], -1))
+        nll = -jnp.take_along_axis(logp, inputs[..., None], -1)[..., 0]
+        weights = (inputs > 0).astype(jnp.float32)
+        return jnp.sum(nll * weights) / jnp.sum(weights)
 
-    return params, loss
+    return params, loss, c["seq"]
 
 
-MODELS = {"demo": demo_model, "flax": flax_model}
+MODELS = {"demo": demo_model, "lm1b": lm1b_model}
 
 
 # ------------------------------------------------------------------ training
@@ -144,68 +207,74 @@ def n_params(params) -> int:
     return sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(params))
 
 
-def train(model, config, seed, steps, corpus, val_batch, start=None, lr=None, wd=WD,
-          data_seed=None):
-    """One run; from `start` (parameters) with a constant `lr` for the late phase."""
-    params, loss = MODELS[model](seed)
-    if start is not None:
-        params = start
-    tx = configs(steps, lr, wd)[config]()
+def train(model, config, seed, steps, late_steps, corpus, val_batches):
+    """One run: `steps` of warm-up and cosine decay, then `late_steps` at the late learning
+    rate, keeping the configuration's own parameters and state throughout."""
+    params, loss, length = MODELS[model](seed)
+    tx = configs(schedule(steps))[config]()
     state = tx.init(params)
-    batches = D.sample_batches(corpus.train, steps, BATCH, SEQ,
-                               seed if data_seed is None else data_seed)
-
+    total = steps + late_steps
+    batches = D.sample_batches(corpus.train, total, BATCH, length, seed)
+    key = jax.random.key(1000 + seed)
     naive = config == "naive-bf16"
 
-    @jax.jit
-    def step(params, state, batch):
+    def step(params, state, batch, i):
+        rng = jax.random.fold_in(key, i)
         if naive:  # what a bf16 user has: jax.grad's bf16 gradients, bf16 moments
-            value, grads = jax.value_and_grad(loss)(params, batch)
+            value, grads = jax.value_and_grad(loss)(params, batch, rng)
         else:
-            value, grads = hg.value_and_grad(loss)(params, batch)
+            value, grads = hg.value_and_grad(loss)(params, batch, rng)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value
 
-    compiled = step.lower(params, state, batches[0]).compile()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, state, batches[0], jnp.int32(0)).compile()
     mem = compiled.memory_analysis()
-    batch_bytes = batches[0].nbytes
     n = n_params(params)
-    state_bytes = (mem.argument_size_in_bytes - batch_bytes) / n if mem else None
-    evaluate = jax.jit(loss)
-    val0 = float(evaluate(params, val_batch))
-    losses, t0 = [], time.perf_counter()
-    for i in range(steps):
-        params, state, value = compiled(params, state, batches[i])
+    state_bytes = (mem.argument_size_in_bytes - batches[0].nbytes - 4) / n if mem else None
+    evaluate = jax.jit(lambda p: jnp.mean(jnp.stack(
+        [loss(p, b, None) for b in val_batches])))
+    params = jax.tree.map(jnp.copy, params)
+    losses, vals, t0 = [], {0: float(evaluate(params))}, time.perf_counter()
+    start_late = None
+    for i in range(total):
+        if i == steps:
+            vals[steps] = float(evaluate(params))
+            start_late = jax.tree.map(np.asarray, params)
+        params, state, value = compiled(params, state, batches[i], jnp.int32(i))
         losses.append(float(value))
-    val = float(evaluate(params, val_batch))
-    moved = float(np.mean([np.mean(np.asarray(a) != np.asarray(b)) for a, b in
-                           zip(jax.tree.leaves(params), jax.tree.leaves(start))])) \
-        if start is not None else None
-    return {"losses": losses, "final_train": float(np.mean(losses[-20:])), "val": val,
-            "val_start": val0, "moved": moved, "bytes_per_param": state_bytes, "n_params": n,
-            "train_s": time.perf_counter() - t0, "params": params}
+    vals[total] = float(evaluate(params))
+    moved = None
+    if late_steps:
+        moved = float(np.sum([np.sum(np.asarray(a) != b) for a, b in
+                              zip(jax.tree.leaves(params), jax.tree.leaves(start_late))]) / n)
+    return {"losses": losses, "val_main": vals[steps] if late_steps else vals[total],
+            "val": vals[total], "val_start": vals[0], "moved": moved,
+            "late_gain": vals[steps] - vals[total] if late_steps else None,
+            "bytes_per_param": state_bytes, "n_params": n, "train_s": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------ the update's cost
 
-UPDATE_SHAPES = [(1024, 4096)] * 4 + [(4096, 1024)] * 4 + [(4096,)] * 8  # ~33.6M parameters
+def synthetic_shapes(n_params: float):
+    """Transformer-like leaves, ~`n_params` in all: (d, 4d) and (4d, d) matrices, attention
+    kernels (d, d/64, 64), and (d,) vectors, d = 1024 (a multiple of 8 sets)."""
+    d = 1024
+    unit = [(d, 4 * d), (4 * d, d), (d, d // 64, 64), (d, d // 64, 64), (d,), (d,)]
+    per = sum(int(np.prod(s)) for s in unit)
+    return unit * max(1, int(round(n_params / per)))
 
 
-def update_cost(argv, repeats: int = 7) -> dict:
+def update_cost(params, grads, repeats: int) -> dict:
     """The optimizer update alone (``tx.update`` and ``optax.apply_updates`` on bf16
     parameters and float32 gradients, jitted, parameters and state donated as a training step
     does): time of each configuration as a ratio to ``f32-master``'s, measured side by side
-    (each configuration's step timed in turn, ``repeats`` rounds, the median of each), and its
-    compiled temp memory (bytes per parameter) from ``memory_analysis()``."""
-    rng = np.random.default_rng(0)
-    params = {f"p{i}": jnp.asarray(rng.normal(size=s) * 0.02, BF16)
-              for i, s in enumerate(UPDATE_SHAPES)}
-    grads = {k: jnp.asarray(rng.normal(size=v.shape) * 1e-3, jnp.float32)
-             for k, v in params.items()}
+    (each configuration's step timed in turn, ``repeats`` rounds, the median of each), and
+    its compiled arguments and temporaries (bytes per parameter) from ``memory_analysis()``."""
     n = n_params(params)
-    steps, mem, times = {}, {}, {}
+    steps, rows = {}, {}
     with jax.numpy_dtype_promotion("standard"):
-        for config, make in configs(1000).items():
+        for config, make in configs(1e-3).items():
             tx = make()
 
             def step(params, state, grads, tx=tx):
@@ -215,49 +284,83 @@ def update_cost(argv, repeats: int = 7) -> dict:
             # naive bf16 gets what jax.grad gives a bf16 model: bf16 gradients
             g = jax.tree.map(lambda a: a.astype(BF16), grads) if config == "naive-bf16" \
                 else grads
-            state = tx.init(params)
-            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, g).compile()
+            p = jax.tree.map(jnp.copy, params)
+            state = tx.init(p)
+            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, state, g).compile()
             ma = compiled.memory_analysis()
-            mem[config] = ma.temp_size_in_bytes / n if ma else None
-            # donated: every leaf its own buffer (init may share one zero among leaves)
-            p, st = compiled(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state),
-                             g)   # warm
+            rows[config] = {"temp_bytes_per_param": ma.temp_size_in_bytes / n,
+                            "arg_bytes_per_param": ma.argument_size_in_bytes / n,
+                            "times": []}
+            p, state = compiled(p, state, g)   # warm
             jax.block_until_ready(p)
-            steps[config] = [compiled, p, st, g]
-            times[config] = []
+            steps[config] = [compiled, p, state, g]
+            print(f"  compiled {config}", flush=True)
         for _ in range(repeats):
             for config, entry in steps.items():
                 compiled, p, st, g = entry
                 t0 = time.perf_counter()
                 p, st = compiled(p, st, g)
                 jax.block_until_ready((p, st))
-                times[config].append(time.perf_counter() - t0)
+                rows[config]["times"].append(time.perf_counter() - t0)
                 entry[1], entry[2] = p, st
-    base = float(np.median(times["f32-master"]))
-    rows = {c: {"time_ratio": float(np.median(t)) / base, "temp_bytes_per_param": mem[c]}
-            for c, t in times.items()}
-    for c, r in rows.items():
-        print(f"update {c:16s} {r['time_ratio']:.2f}x time, temp "
-              f"{r['temp_bytes_per_param']:.2f} B/param", flush=True)
-    return {"env": env_info(sys.argv if argv is None else argv), "n_params": n,
-            "repeats": repeats, "rows": rows}
+    base = float(np.median(rows["f32-master"]["times"]))
+    for config, r in rows.items():
+        r["time_ratio"] = float(np.median(r.pop("times"))) / base
+        r["peak_bytes_per_param"] = r["arg_bytes_per_param"] + r["temp_bytes_per_param"]
+        print(f"  {config:12s} {r['time_ratio']:5.2f}x time, args "
+              f"{r['arg_bytes_per_param']:5.2f} + temp {r['temp_bytes_per_param']:5.2f} "
+              f"B/param", flush=True)
+    return {"n_params": n, "repeats": repeats, "f32_master_s": base, "rows": rows}
+
+
+def update_costs(args, argv) -> dict:
+    result = {"env": env_info(sys.argv if argv is None else argv), "runs": {}}
+    rng = np.random.default_rng(0)
+    if args.update_params:
+        shapes = synthetic_shapes(args.update_params)
+        params = {f"p{i}": jnp.asarray(rng.normal(size=s) * 0.02, BF16)
+                  for i, s in enumerate(shapes)}
+        grads = {k: jnp.asarray(rng.normal(size=v.shape) * 1e-3, jnp.float32)
+                 for k, v in params.items()}
+        print(f"update cost: synthetic, {n_params(params) / 1e6:.1f}M parameters", flush=True)
+        result["runs"]["synthetic"] = update_cost(params, grads, args.repeats)
+        del params, grads
+    corpus = D.load_corpus(200_000) if args.models else None
+    for model in filter(None, args.models.split(",")):
+        params, loss, length = MODELS[model](0)
+        batch = jnp.asarray(D.sample_batches(corpus.train, 1, BATCH, length, 0)[0])
+        with jax.numpy_dtype_promotion("standard"):
+            grads = jax.jit(hg.grad(loss))(params, batch, jax.random.key(0))
+        print(f"update cost: {model}, {n_params(params) / 1e6:.2f}M parameters", flush=True)
+        result["runs"][model] = update_cost(params, grads, max(args.repeats, 21))
+    return result
 
 
 def write_update_cost(result, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, "optim_update_cpu")
+    backend = result["env"].get("backend", jax.default_backend())
+    base = os.path.join(out_dir, f"optim_update_{backend}")
     write_json(base + ".json", result)
-    lines = ["# The optimizer update's cost: hifigrad.optim's configurations (CPU)", "",
-             "Written by `PYTHONPATH=. python benchmarks/optim_bench.py --update-cost`: the "
-             f"update alone on {result['n_params'] / 1e6:.1f}M bf16 parameters with float32 "
-             "gradients (`tx.update` + `optax.apply_updates`, jitted, parameters and state "
-             "donated). *time*: median of each configuration's step over "
-             f"{result['repeats']} interleaved rounds, as a ratio to f32-master's (CPU ratios: "
-             "the cores are shared, read them to about 10%); *temp*: the compiled update's "
-             "temp allocation per parameter (`memory_analysis()`), on top of the state.", "",
-             md_table(["configuration", "time / f32-master's", "temp B/param"],
-                      [[c, f"{r['time_ratio']:.2f}x", f"{r['temp_bytes_per_param']:.2f}"]
-                       for c, r in result["rows"].items()]), ""]
+    lines = [f"# The optimizer update's cost: hifigrad.optim's configurations ({backend})", "",
+             "Written by `PYTHONPATH=. python benchmarks/optim_bench.py --update-cost` (see "
+             "the environment line for the arguments): the update alone (`tx.update` + "
+             "`optax.apply_updates`, jitted, parameters and state donated) on bf16 "
+             "parameters with float32 gradients (naive-bf16: bf16 gradients). *time*: "
+             "median of each configuration's step over interleaved rounds, as a ratio to "
+             "f32-master's (CPU ratios: the cores are shared, read them to about 10%); "
+             "*arguments*: parameters, state and gradients; *temp*: the compiled update's "
+             "temporaries; *peak*: the two together (bytes per parameter, "
+             "`memory_analysis()`). f32-master's peak is 18 (2 + 12 + 4, no temporaries).",
+             ""]
+    for name, run in result["runs"].items():
+        lines += [f"## {name}: {run['n_params'] / 1e6:.2f}M parameters "
+                  f"(f32-master's update: {run['f32_master_s'] * 1e3:.1f} ms)", "",
+                  md_table(["configuration", "time / f32-master's", "arguments B/param",
+                            "temp B/param", "peak B/param"],
+                           [[c, f"{r['time_ratio']:.2f}x", f"{r['arg_bytes_per_param']:.2f}",
+                             f"{r['temp_bytes_per_param']:.2f}",
+                             f"{r['peak_bytes_per_param']:.2f}"]
+                            for c, r in run["rows"].items()]), ""]
     env = result["env"]
     lines.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     with open(base + ".md", "w") as f:
@@ -265,107 +368,125 @@ def write_update_cost(result, out_dir):
     print("wrote", base + ".md")
 
 
+# ------------------------------------------------------------------ main
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--late-steps", type=int, default=300)
-    ap.add_argument("--models", default="demo,flax")
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--late-steps", type=int, default=150)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--models", default="demo,lm1b")
+    ap.add_argument("--configs", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--update-cost", action="store_true",
-                    help="measure the optimizer update alone (time ratios, temp memory)")
+                    help="measure the optimizer update alone (time ratios, memory)")
+    ap.add_argument("--update-params", type=float, default=33.6e6,
+                    help="with --update-cost: synthetic parameters (0: the models' only)")
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     if args.update_cost:
-        write_update_cost(update_cost(argv), args.out)
+        write_update_cost(update_costs(args, argv), args.out)
         return
     corpus = D.load_corpus(2_000_000)
-    val_batch = jnp.asarray(D.sample_batches(corpus.val, 1, 64, SEQ, 12345)[0])
+    names = [c for c in configs(LR) if not args.configs or c in args.configs.split(",")]
     result = {"env": env_info(sys.argv if argv is None else argv), "steps": args.steps,
-              "late_steps": args.late_steps, "late_lr": LATE_LR,
-              "models": {}}
+              "late_steps": args.late_steps, "late_lr": LATE_LR, "models": {}}
     with jax.numpy_dtype_promotion("standard"):
         for model in args.models.split(","):
+            length = MODELS[model](0)[2]
+            val_batches = [jnp.asarray(b) for b in
+                           D.sample_batches(corpus.val, 4, BATCH, length, 12345)]
             runs = {}
-            for config in configs(args.steps):
+            for config in names:
                 seeds = range(args.seeds) if config == "f32-master" else range(1)
-                runs[config] = [train(model, config, s, args.steps, corpus, val_batch)
-                                for s in seeds]
-                r = runs[config][0]
-                print(f"{model:5s} {config:16s} val {r['val']:.4f} train {r['final_train']:.4f} "
-                      f"{r['bytes_per_param']:.2f} B/param ({r['train_s']:.0f} s)", flush=True)
-            # the late phase: from the float32 master's trained parameters (seed 0), every
-            # configuration with a fresh state, a small constant learning rate, the same batches
-            start = runs["f32-master"][0]["params"]
-            late = {}
-            for config in configs(args.late_steps):
-                late[config] = train(model, config, 0, args.late_steps, corpus, val_batch,
-                                     start=start, lr=LATE_LR, wd=0.0, data_seed=LATE_DATA_SEED)
-                r = late[config]
-                print(f"{model:5s} late {config:16s} val {r['val_start']:.4f} -> {r['val']:.4f} "
-                      f"moved {r['moved']:.3f}", flush=True)
-            for rs in list(runs.values()) + [[r] for r in late.values()]:
-                for r in rs:
-                    r.pop("params")
+                runs[config] = []
+                for s in seeds:
+                    r = train(model, config, s, args.steps, args.late_steps, corpus,
+                              val_batches)
+                    runs[config].append(r)
+                    print(f"{model:5s} {config:12s} seed {s} val {r['val_main']:.4f} -> "
+                          f"{r['val']:.4f} (late gain {r['late_gain']:+.4f}, moved "
+                          f"{r['moved']:.3f}) {r['bytes_per_param']:.2f} B/param "
+                          f"({r['train_s']:.0f} s)", flush=True)
             result["models"][model] = runs
-            result.setdefault("late", {})[model] = late
-    write(result, args.out)
+            write(result, args.out)   # after each model: a partial result survives
 
 
-def spread(runs) -> tuple[float, float]:
-    vals = [r["val"] for r in runs]
-    return min(vals), max(vals)
+def summary(runs) -> dict:
+    """Per configuration: bytes, final loss, late gain and its fraction of the float32
+    master's (seed 0's, and its seeds' mean), within the float32 seeds' final spread."""
+    ref = runs["f32-master"]
+    ref_gain = ref[0]["late_gain"]   # seed 0: the same initialization and batches
+    mean_gain = float(np.mean([r["late_gain"] for r in ref]))
+    lo, hi = min(r["val"] for r in ref), max(r["val"] for r in ref)
+    out = {}
+    for config, rs in runs.items():
+        r = rs[0]
+        out[config] = {
+            "bytes": r["bytes_per_param"], "val_main": r["val_main"], "val": r["val"],
+            "gain": r["late_gain"], "fraction": r["late_gain"] / ref_gain,
+            "fraction_of_mean": r["late_gain"] / mean_gain,
+            "moved": r["moved"], "delta": r["val"] - ref[0]["val"],
+            "within": lo - 1e-9 <= r["val"] <= hi + 1e-9,
+            "above": r["val"] > hi + 1e-9}
+    out["_ref"] = {"gain": ref_gain, "mean_gain": mean_gain, "lo": lo, "hi": hi,
+                   "gains": [r["late_gain"] for r in ref],
+                   "val_mean": float(np.mean([r["val"] for r in ref]))}
+    return out
 
 
 def write(result, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, "optim_cpu")
+    for model, runs in result["models"].items():
+        result.setdefault("summary", {})[model] = summary(runs)
     write_json(base + ".json", result)
     lines = ["# Training state: hifigrad.optim's configurations on two language models (CPU)",
-             "", "Written by `PYTHONPATH=. python benchmarks/optim_bench.py` (see its docstring "
-             f"for the models and the schedule; {result['steps']} steps). *val*: validation "
-             "loss (nats per byte) after training; *B/param*: bytes of parameters and "
+             "", "Written by `PYTHONPATH=. python benchmarks/optim_bench.py` (its docstring has "
+             f"the models and the schedule): {result['steps']} steps of warm-up and cosine "
+             f"decay, then {result['late_steps']} late steps at {result['late_lr']:g}, each "
+             "configuration keeping its own state. *B/param*: bytes of parameters and "
              "optimizer state per parameter, from the compiled step's "
-             "`memory_analysis().argument_size_in_bytes` less the batch's. f32-master: the "
-             "mean over its seeds, and their spread.", ""]
+             "`memory_analysis().argument_size_in_bytes` less the batch's and the key's. "
+             "*val*: validation loss (nats per byte) after the main phase and after the late "
+             "phase, and the final one less the float32 master's (seed 0: the same "
+             "initialization, batches and dropout as every configuration); *late gain*: the "
+             "first val minus the second, and as a fraction of the float32 master's (seed 0) "
+             "and of the mean of its seeds' gains; *within "
+             "spread*: whether the final loss lies within the float32 master's seeds' "
+             "(\"below\": lower than every seed's); *moved*: the fraction of parameter "
+             "elements the late phase changed.", ""]
     checks = []
     for model, runs in result["models"].items():
-        lo, hi = spread(runs["f32-master"])
+        sm = result["summary"][model]
+        ref = sm["_ref"]
         rows = []
-        for config, rs in runs.items():
-            r = rs[0]
-            val = (f"{np.mean([x['val'] for x in rs]):.4f} ({lo:.4f}-{hi:.4f})"
-                   if config == "f32-master" else f"{r['val']:.4f}")
-            within = lo - 1e-9 <= r["val"] <= hi + 1e-9 if config != "f32-master" else True
-            rows.append([config, f"{r['bytes_per_param']:.2f}", val,
-                         f"{r['final_train']:.4f}",
-                         "yes" if within else ("above" if r["val"] > hi else "below")])
-            if config != "f32-master" and r["bytes_per_param"] <= TARGET_BYTES + 0.1:
-                checks.append((model, config, r["bytes_per_param"], within))
+        for config in runs:
+            s = sm[config]
+            if config == "f32-master":   # seed 0, and all its seeds' spread
+                val = f"{s['val']:.4f} (seeds {ref['lo']:.4f}-{ref['hi']:.4f})"
+                gain = (f"{s['gain']:+.4f} (seeds {min(ref['gains']):+.4f}-"
+                        f"{max(ref['gains']):+.4f})")
+                within = "-"
+            else:
+                val, gain = f"{s['val']:.4f}", f"{s['gain']:+.4f}"
+                within = "yes" if s["within"] else ("above" if s["above"] else "below")
+            rows.append([config, f"{s['bytes']:.2f}", f"{s['val_main']:.4f}", val,
+                         f"{s['delta']:+.4f}", gain, f"{s['fraction']:.2f}",
+                         f"{s['fraction_of_mean']:.2f}", within, f"{s['moved']:.3f}"])
+            if config != "f32-master":
+                checks.append((model, config, s))
         lines += [f"## {model}", "", md_table(
-            ["configuration", "B/param", "val loss", "train loss (last 20)",
-             "within f32-master's spread"], rows), ""]
-    if result.get("late"):
-        lines += [f"## The late phase: {result['late_steps']} steps at a constant learning rate "
-                  f"of {result['late_lr']:g}", "",
-                  "From the float32 master's trained parameters (seed 0), each configuration "
-                  "with a fresh optimizer state, no weight decay and the same batches: where "
-                  "updates are smaller than half a bf16 ulp of their parameters (Adam's steps "
-                  "are about the learning rate: 1e-5 against half-ulps of 6e-5 at |w| = 0.02). "
-                  "*moved*: the fraction of parameter elements that changed.", ""]
-        for model, late in result["late"].items():
-            ref = late["f32-master"]
-            gain_ref = ref["val_start"] - ref["val"]
-            rows = [[config, f"{r['val_start']:.4f}", f"{r['val']:.4f}",
-                     f"{r['val_start'] - r['val']:+.4f}",
-                     f"{(r['val_start'] - r['val']) / gain_ref:.2f}" if gain_ref > 0 else "-",
-                     f"{r['moved']:.3f}"] for config, r in late.items()]
-            lines += [f"### {model}", "", md_table(
-                ["configuration", "val before", "val after", "gain", "gain / f32-master's",
-                 "moved"], rows), ""]
-    ok = [c for c in checks if c[3]]
-    lines += [f"Configurations at most {TARGET_BYTES:g} bytes per parameter whose validation "
-              f"loss is within the float32 master's seed-to-seed spread: " + (
-                  ", ".join(f"{m} {c} ({b:.2f} B)" for m, c, b, _ in ok) or "none") + ".", ""]
+            ["configuration", "B/param", "val (main)", "val (final)", "- f32-master's",
+             "late gain", "/ f32-master's", "/ seeds' mean", "within spread", "moved"],
+            rows), ""]
+    # bytes to two decimals: the step counts (4 to 12 bytes in all) are not per parameter
+    ok = [f"{m} {c} ({s['bytes']:.2f} B)" for m, c, s in checks
+          if round(s["bytes"], 2) <= TARGET_BYTES and s["fraction"] >= 0.9 and not s["above"]]
+    lines += [f"Configurations at most {TARGET_BYTES:g} bytes per parameter (to two decimals: "
+              "the step counts, a few bytes in all, aside) that keep at least 0.9 of the "
+              "float32 master's late gain and end within (or below) its seeds' spread: " +
+              (", ".join(ok) or "none") + ".", ""]
     plot(result, os.path.join(out_dir, "optim_curves.png"))
     lines += ["![loss curves](optim_curves.png)", ""]
     lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
@@ -374,20 +495,25 @@ def write(result, out_dir):
     print("wrote", base + ".md")
 
 
-def _plot_deltas(ax, curves, ref, title, k: int = 25):
+def _plot_deltas(ax, curves, ref, title, start: int = 0, k: int = 15):
     """Each configuration's loss curve minus `ref`, smoothed over `k` steps: ``curves`` maps a
     configuration to (its losses, its legend label)."""
+    import matplotlib.pyplot as plt
+
     ref = np.asarray(ref)
-    for config, (losses, label) in curves.items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (config, (losses, label)) in enumerate(curves.items()):
         y = np.convolve(np.asarray(losses) - ref, np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(len(y)) + k, y, label=label,
+        # tab20's dark shades, then its light ones: 20 distinct colours
+        ax.plot(np.arange(len(y)) + start + k, y, label=label,
+                color=colors[(2 * i) % 20 + (2 * i) // 20],
                 linewidth=2 if config in ("f32-master", "naive-bf16") else 1.2,
                 linestyle="--" if config == "naive-bf16" else "-")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_title(title)
     ax.set_xlabel("step")
-    ax.set_ylabel("Δ loss (nats per byte, smoothed)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("Δ training loss (smoothed)")
+    ax.legend(fontsize=6)
 
 
 def plot(result, path):
@@ -397,21 +523,20 @@ def plot(result, path):
     import matplotlib.pyplot as plt
 
     models = list(result["models"])
-    late = result.get("late", {})
-    rows = 2 if late else 1
-    fig, axes = plt.subplots(rows, len(models), figsize=(6 * len(models), 4.2 * rows),
-                             squeeze=False)
-    for ax, model in zip(axes[rows - 1], models if late else []):
-        runs = late[model]
-        _plot_deltas(ax, {c: (r["losses"], c) for c, r in runs.items()},
-                     runs["f32-master"]["losses"],
-                     f"{model}, late phase (lr {result['late_lr']:g}): loss minus f32-master's")
-    for ax, model in zip(axes[0], models):
+    steps = result["steps"]
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8.4), squeeze=False)
+    for col, model in enumerate(models):
         runs = result["models"][model]
-        _plot_deltas(ax, {c: (rs[0]["losses"], f"{c} ({rs[0]['bytes_per_param']:.1f} B)")
-                          for c, rs in runs.items()},
-                     np.mean([r["losses"] for r in runs["f32-master"]], axis=0),
-                     f"{model}: training loss minus float32 master's (mean of seeds)")
+        # against the float32 master's seed 0: the same initialization, batches and dropout
+        ref = np.asarray(runs["f32-master"][0]["losses"])
+        curves = {c: (rs[0]["losses"], f"{c} ({rs[0]['bytes_per_param']:.1f} B)")
+                  for c, rs in runs.items()}
+        _plot_deltas(axes[0, col], {c: (v[0][:steps], v[1]) for c, v in curves.items()},
+                     ref[:steps], f"{model}: training loss minus the float32 master's")
+        if result["late_steps"]:
+            _plot_deltas(axes[1, col], {c: (v[0][steps:], v[1]) for c, v in curves.items()},
+                         ref[steps:], f"{model}, late phase (lr {result['late_lr']:g})",
+                         start=steps)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

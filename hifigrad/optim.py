@@ -7,16 +7,22 @@ state. With bf16 parameters and Adam that is, per parameter:
 |---|---|---|
 | `master_weights(adamw)` | float32 master, float32 moments | 14 |
 | `master_weights(adamw, master="split")` | the master's low 16 bits, float32 moments | 12 |
-| `master_weights(adamw(moments="fp16"), master="split")` | low 16 bits, float16 moments | 8.1 |
-| `master_weights(adamw(moments="8bit"), master="split")` | low 16 bits, 8-bit moments | 6.1 |
-| `kahan(adamw(moments="fp16"))` | a bf16 compensation, float16 moments | 8.1 |
+| `master_weights(adamw(moments="fp16"), master="split")` | low 16 bits, float16 moments | 8 |
+| `master_weights(adamw(moments="8bit"), master="split")` | low 16 bits, 8-bit moments | 6 |
+| `master_weights(adamw(moments="8bit"), master="split8")` | 8 more bits, 8-bit moments | 5 |
+| `master_weights(adamw(moments="4bit"), master="split8")` | 8 more bits, 4-bit moments | 4 |
 | `kahan(adamw(moments="bf16"))` | a bf16 compensation, bf16 moments | 8 |
-| `stochastic_rounding(adamw(moments="bf16"))` | bf16 moments | 6 |
+| `stochastic_rounding(adamw(moments="8bit"))` | 8-bit moments | 4 |
+| `stochastic_rounding(adamw(moments="4bit"))` | 4-bit moments | 3 |
 | plain `optax.adamw` on bf16 parameters | bf16 moments; updates under half an ulp lost | 6 |
 
+(``adamw`` is `hifigrad.optim.adamw`; the block-coded moments' scales live in their codes'
+spare sign bits, so these bytes are exact.)
+
 Every one wraps (or is) an optax transformation, works under `jax.jit`, keeps a parameter's
-sharding in its state (per-leaf state of the parameter's shape; 8-bit moments blocked along the
-last axis), and takes the float32 gradients `hifigrad.grad` gives. The guide
+sharding in its state (per-leaf state of the parameter's shape; compact moments blocked
+within the trailing axes), can be donated to a jitted step with the parameters, and takes
+the float32 gradients `hifigrad.grad` gives. The guide
 (docs/guides/training-state.md) has the measured loss curves.
 
 `master_weights` wraps an optax transformation so that a model whose parameters are bf16 (or
@@ -52,6 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from ._src import optim_codes as _codes
 
 __all__ = ["AdamState", "KahanState", "MasterWeightsState", "StochasticRoundingState", "adamw",
            "kahan", "master_weights", "round_to_bf16", "scale_by_adam", "stochastic_rounding"]
@@ -176,12 +184,15 @@ class MasterWeightsState(NamedTuple):
       master: the float32 master copy of the parameters (float32 leaves of the parameters'
         pytree; leaves that are not low-precision floats are kept as they are), or, with
         ``master="split"``, the low halves of the bf16 parameters' float32 masters (uint16
-        leaves; other leaves: empty). Evaluate or checkpoint the model from the float32
-        master (`master_weights` ``.master_params(params, state)``) when the rounded
+        leaves; other leaves: as with ``"float32"``), or, with ``master="split8"``, the next
+        8 bits of their 24-bit masters (uint8 leaves). Evaluate or checkpoint the model from
+        the master (`master_weights` ``.master_params(params, state)``) when the rounded
         parameters are not enough.
       inner: the wrapped transformation's state, created from (and updated against) the
         float32 master, so its float moments are float32 (unless the wrapped transformation
         keeps them otherwise, as `adamw`'s ``moments=`` does).
+      count: with ``master="split8"``, the steps taken (what the stochastic rounding's bits
+        are drawn from, with the seed); empty otherwise.
 
     Examples:
       >>> import jax.numpy as jnp, optax, hifigrad as hg
@@ -193,12 +204,38 @@ class MasterWeightsState(NamedTuple):
 
     master: Any
     inner: Any
+    count: Any = ()
 
 
-_MASTERS = ("float32", "split")
+_MASTERS = ("float32", "split", "split8")
 
 
-def master_weights(tx, *, master: str = "float32", param_rounding: str | None = None):
+def _own_buffers(state, params):
+    """`state` with each array leaf its own buffer: a leaf that is (the same object as) a leaf
+    of `params` or an earlier leaf of `state` is copied. A jitted step can then donate both
+    the parameters and the state (JAX refuses to donate one buffer twice, and a state that
+    held a parameter itself would have its donation delete the caller's parameter)."""
+    seen = {id(x) for x in jax.tree.leaves(params)}
+
+    def own(x):
+        if isinstance(x, jax.Array) and id(x) in seen:
+            return jnp.copy(x)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(own, state)
+
+
+def _round_to_24_bits(master, bits):
+    """``master`` (float32) rounded stochastically to its top 24 bits (16 significant bits):
+    ``bits`` (uint32, 8 of them used) added under them, the rest dropped; inf and NaN kept."""
+    u = _f32_bits(master)
+    rounded = (u + (bits & 0xFF)) & jnp.uint32(0xFFFFFF00)
+    return lax.bitcast_convert_type(jnp.where(_special(u >> 16), u, rounded), jnp.float32)
+
+
+def master_weights(tx, *, master: str = "float32", param_rounding: str | None = None,
+                   seed: int = 0):
     """Wraps an optax transformation to train low-precision parameters through a float32
     master copy.
 
@@ -225,13 +262,21 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
     that are not bf16 (float32, fp16, integers) are kept as with
     ``master="float32"``.
 
+    ``master="split8"`` keeps only the next 8 bits (1 byte beside the bf16 parameter): a
+    24-bit master of 16 significant bits, which each update rounds stochastically (unbiased;
+    the bits are a counter-based hash of ``seed``, the step, the leaf and the element, as
+    `stochastic_rounding`'s). Its spacing is 2**-8 of the parameter's, so an update far below
+    half a bf16 ulp still moves the master by many of its steps, where `stochastic_rounding`
+    alone moves the parameter by a whole ulp or nothing.
+
     Args:
       tx: an ``optax.GradientTransformation`` (e.g. ``optax.adamw(1e-3)``, a chain with
         clipping, a schedule, `hifigrad.optim.adamw`).
-      master: ``"float32"`` (default) or ``"split"``.
+      master: ``"float32"`` (default), ``"split"`` or ``"split8"``.
       param_rounding: how a low-precision parameter is made from its master:
         ``"nearest_even"`` (``astype``; the default with ``master="float32"``),
-        ``"nearest_away"`` (the default with ``master="split"``) or ``"truncate"``.
+        ``"nearest_away"`` (the default with the split masters) or ``"truncate"``.
+      seed: with ``master="split8"``, the seed of the stochastic rounding's bits.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a `MasterWeightsState`, with a
@@ -278,23 +323,32 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
         raise ValueError(f"hifigrad.optim.master_weights: master must be one of {_MASTERS}; "
                          f"got {master!r}.")
     if param_rounding is None:
-        param_rounding = "nearest_away" if master == "split" else "nearest_even"
+        param_rounding = "nearest_even" if master == "float32" else "nearest_away"
     if param_rounding not in _ROUNDINGS:
         raise ValueError(f"hifigrad.optim.master_weights: param_rounding must be one of "
                          f"{_ROUNDINGS}; got {param_rounding!r}.")
-    if master == "split" and param_rounding == "nearest_even":
-        raise ValueError("hifigrad.optim.master_weights: master='split' keeps the master's "
-                         "other 16 bits, which a tie rounded to even would overflow: use "
-                         "param_rounding='nearest_away' (the default) or 'truncate'.")
-    split = master == "split"
+    if master != "float32" and param_rounding == "nearest_even":
+        raise ValueError(f"hifigrad.optim.master_weights: master={master!r} keeps the master's "
+                         f"other bits, which a tie rounded to even would overflow: use "
+                         f"param_rounding='nearest_away' (the default) or 'truncate'.")
+    split = master != "float32"
+    split8 = master == "split8"
 
     def is_split(p) -> bool:
         return split and jnp.result_type(p) == jnp.bfloat16
 
     def to_master(p, stored):
-        if is_split(p):
-            return _join(p, stored, param_rounding)
-        return stored
+        if not is_split(p):
+            return stored
+        low = stored.astype(jnp.uint32) << 8 if split8 else stored
+        return _join(p, low, param_rounding)
+
+    def store(p, m):
+        """What the state keeps of master value `m` of parameter `p`."""
+        if not is_split(p):
+            return m
+        low = _split(m, param_rounding)[1]
+        return (low >> 8).astype(jnp.uint8) if split8 else low
 
     def master_params(params, state):
         """The float32 master of `params` (as they are after the last update)."""
@@ -307,12 +361,10 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
 
     def init(params):
         full = jax.tree.map(_to_f32, params)
-        if split:
-            stored = jax.tree.map(
-                lambda p, m: _split(m, param_rounding)[1] if is_split(p) else m, params, full)
-        else:
-            stored = full
-        return MasterWeightsState(master=stored, inner=tx.init(full))
+        state = MasterWeightsState(master=jax.tree.map(store, params, full),
+                                   inner=tx.init(full),
+                                   count=jnp.zeros((), jnp.uint32) if split8 else ())
+        return _own_buffers(state, params)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
@@ -323,6 +375,12 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
         full = master_params(params, state)
         inner_updates, inner = tx.update(grads, state.inner, full, **extra_args)
         new_master = optax.apply_updates(full, inner_updates)
+        if split8:  # the 24-bit masters, rounded stochastically
+            leaves, tree = jax.tree.flatten(params)
+            news = tree.flatten_up_to(new_master)
+            new_master = jax.tree.unflatten(tree, [
+                _round_to_24_bits(m, _codes.leaf_bits32(seed, state.count, i, np.shape(p)))
+                if is_split(p) else m for i, (p, m) in enumerate(zip(leaves, news))])
 
         def to_param(p, new, u):
             if not _is_low_precision(p):
@@ -333,13 +391,9 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
             return round_param(new, p).astype(jnp.float32) - jnp.asarray(p, jnp.float32)
 
         updates = jax.tree.map(to_param, params, new_master, inner_updates)
-        if split:
-            stored = jax.tree.map(
-                lambda p, m: _split(m, param_rounding)[1] if is_split(p) else m,
-                params, new_master)
-        else:
-            stored = new_master
-        return updates, MasterWeightsState(master=stored, inner=inner)
+        count = state.count + 1 if split8 else ()
+        return updates, MasterWeightsState(master=jax.tree.map(store, params, new_master),
+                                           inner=inner, count=count)
 
     out = optax.GradientTransformationExtraArgs(init, update)
     return _with_master_params(out, master_params)
@@ -422,8 +476,8 @@ def kahan(tx):
     _check_tx("kahan", tx)
 
     def init(params):
-        return KahanState(compensation=jax.tree.map(_low_precision_zeros, params),
-                          inner=tx.init(params))
+        return _own_buffers(KahanState(compensation=jax.tree.map(_low_precision_zeros, params),
+                                       inner=tx.init(params)), params)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
@@ -474,33 +528,11 @@ class StochasticRoundingState(NamedTuple):
     inner: Any
 
 
-def _hash32(x):
-    """An integer hash of uint32 values (Wellons' "lowbias32"): exact integer arithmetic, so
-    the same bits on every backend."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _leaf_bits(seed, count, index: int, shape):
-    """uint16 random bits for leaf ``index`` at step ``count``: a counter-based hash of each
-    element's position in the leaf, keyed by ``seed``, the step and the leaf (two rounds of
-    `_hash32`). Exact integer arithmetic: the same bits on every backend and under any
-    sharding (the position is the element's in the whole array). Elementwise, it fuses with
-    the rounding that uses it; threefry's counters were materialized for every leaf at once
-    (4 bytes per parameter per draw) and cost most of the update's time."""
-    step = jnp.asarray(count).astype(jnp.uint32)
-    key = _hash32(_hash32(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9))
-                  + step * jnp.uint32(0x85EBCA6B) + jnp.uint32((index * 0xC2B2AE35) & 0xFFFFFFFF))
-    pos = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        pos = pos + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
-        stride *= shape[d]
-    bits = _hash32(_hash32(pos ^ key) + key)
-    return (bits >> 16).astype(jnp.uint16)
+    """uint16 random bits for leaf ``index`` at step ``count``: the top half of
+    `_codes.leaf_bits32` (a counter-based hash of each element's position, keyed by ``seed``,
+    the step and the leaf: the same bits on every backend and under any sharding)."""
+    return (_codes.leaf_bits32(seed, count, index, shape) >> 16).astype(jnp.uint16)
 
 
 def stochastic_rounding(tx, seed: int = 0):
@@ -536,7 +568,8 @@ def stochastic_rounding(tx, seed: int = 0):
     _check_tx("stochastic_rounding", tx)
 
     def init(params):
-        return StochasticRoundingState(count=jnp.zeros((), jnp.uint32), inner=tx.init(params))
+        return _own_buffers(StochasticRoundingState(count=jnp.zeros((), jnp.uint32),
+                                                    inner=tx.init(params)), params)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
@@ -563,10 +596,7 @@ def stochastic_rounding(tx, seed: int = 0):
 
 # ------------------------------------------------------------------ compact Adam moments
 
-_MOMENTS = ("float32", "fp16", "bf16", "8bit")
-# 8-bit moments: each block of this many consecutive elements of a leaf's last axis shares
-# one float32 scale (a last axis that does not divide evenly is one block).
-_BLOCK = 128
+_MOMENTS = ("float32", "bf16", *_codes.KINDS)
 
 
 class AdamState(NamedTuple):
@@ -574,169 +604,96 @@ class AdamState(NamedTuple):
 
     Attributes:
       count: the steps taken.
-      mu, nu: the first moment and (float32, bf16) the second or (float16, 8-bit codes) its
-        square root, as stored: see `scale_by_adam`.
-      mu_scale, nu_scale: the float16 or 8-bit codes' float32 scales, one per block of 128
-        elements along the last axis (empty otherwise).
+      mu: the first moment as stored: float32, bf16, or (``"fp16"``, ``"8bit"``) its codes;
+        with ``"4bit"``, one byte per parameter holding the codes of both moments.
+      nu: the second moment as stored: float32, bf16, or (``"fp16"``, ``"8bit"``) the codes of
+        its square root, whose sign bits hold each block's two scales; empty with ``"4bit"``.
+        A leaf of fewer than 64 elements keeps float32 moments with every setting.
 
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
       >>> state = hg.optim.scale_by_adam(moments="fp16").init({"w": jnp.zeros((2, 256))})
-      >>> state.mu["w"].dtype, state.nu_scale["w"].shape
-      (dtype('float16'), (2, 2))
+      >>> state.mu["w"].dtype, state.nu["w"].dtype    # 2 + 2 bytes, scales included
+      (dtype('float16'), dtype('uint16'))
     """
 
     count: Any
     mu: Any
     nu: Any
-    mu_scale: Any
-    nu_scale: Any
-
-
-def _blocks(shape) -> tuple[int, int]:
-    """(number of blocks along the last axis, block length) of an 8-bit moment."""
-    last = shape[-1] if shape else 1
-    block = _BLOCK if last % _BLOCK == 0 else last
-    return last // block, block
-
-
-def _blocked(x):
-    shape = np.shape(x)
-    nb, b = _blocks(shape)
-    return jnp.reshape(x, (*shape[:-1], nb, b)) if shape else jnp.reshape(x, (1, 1))
-
-
-def _unblocked(x, shape):
-    return jnp.reshape(x, shape)
-
-
-def _encode8(x, bits):
-    """8-bit codes of ``x`` (float32), one float32 scale (the largest magnitude) per block
-    along the last axis. A code is a small float relative to its block's scale: a sign bit,
-    4 exponent bits (2**-14 to 1) and 3 mantissa bits, rounded stochastically (unbiased):
-    each element keeps about 3 bits of its own relative precision over 14 binary orders of
-    magnitude below its block's largest, where a linear 8-bit code would round the small
-    elements of a block to 0 or 1 step. Below 2**-14 of the block's largest, an element
-    rounds stochastically to 0 or 2**-14."""
-    shape = np.shape(x)
-    xb = _blocked(x)
-    top = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    scale = jnp.where(top > 0, top, 1.0)
-    y = jnp.abs(xb) / scale                                  # in [0, 1]
-    r = _blocked(jnp.asarray(bits, jnp.uint32))
-    # normal range: add 16 random bits under the 3 kept mantissa bits, then truncate
-    u = lax.bitcast_convert_type(y, jnp.uint32)
-    u = (u + (r << 4)) & jnp.uint32(0xFFF00000)
-    e = (u >> 23).astype(jnp.int32) - 112                    # 1..15 for 2**-14 .. 1
-    m = ((u >> 20) & 7).astype(jnp.int32)
-    # below 2**-14: 0 or 2**-14, up with probability y / 2**-14
-    tiny = y < 2.0 ** -14
-    up = (r.astype(jnp.float32) * (2.0 ** -16)) < y * (2.0 ** 14)
-    e = jnp.where(tiny, jnp.where(up, 1, 0), jnp.clip(e, 0, 15))
-    m = jnp.where(tiny, 0, m)
-    code = (e << 3) | m | jnp.where(xb < 0, 128, 0)
-    return _unblocked(code.astype(jnp.uint8), shape), scale[..., 0]
-
-
-def _decode8(codes, scale):
-    shape = np.shape(codes)
-    c = _blocked(codes).astype(jnp.int32)
-    e, m = (c >> 3) & 15, c & 7
-    mag = jnp.exp2((e - 15).astype(jnp.float32)) * (1 + m.astype(jnp.float32) / 8)
-    mag = jnp.where(e == 0, 0.0, mag)
-    val = jnp.where(c >= 128, -mag, mag) * scale[..., None]
-    return _unblocked(val, shape)
-
-
-def _encode16(x, bits):
-    """float16 codes of ``x`` (float32) relative to one float32 scale (the largest magnitude)
-    per block along the last axis, rounded stochastically (unbiased). Relative to its block's
-    largest, an element keeps float16's 11 significant bits down to 2**-14 and an absolute
-    step of 2**-24 below that, where a bf16 keeps 8 bits."""
-    shape = np.shape(x)
-    xb = _blocked(x)
-    top = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    scale = jnp.where(top > 0, top, 1.0)
-    y = jnp.abs(xb) / scale                                  # in [0, 1]
-    r = _blocked(jnp.asarray(bits, jnp.uint32))
-    # float16's normal range: add 13 random bits under its 10 mantissa bits, then truncate
-    u = lax.bitcast_convert_type(y, jnp.uint32)
-    normal = lax.bitcast_convert_type((u + (r >> 3)) & jnp.uint32(0xFFFFE000), jnp.float32)
-    # its subnormal range: a multiple of 2**-24, up with probability of the remainder
-    sub = jnp.floor(y * 2.0 ** 24 + r.astype(jnp.float32) * 2.0 ** -16) * 2.0 ** -24
-    q = jnp.where(y < 2.0 ** -14, sub, normal)
-    q = jnp.where(xb < 0, -q, q).astype(jnp.float16)        # exact: q is a float16 value
-    return _unblocked(q, shape), scale[..., 0]
-
-
-def _decode16(codes, scale):
-    return _unblocked(_blocked(codes).astype(jnp.float32) * scale[..., None], np.shape(codes))
-
-
-_BLOCKED = {"fp16": (_encode16, _decode16), "8bit": (_encode8, _decode8)}
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   moments: str = "float32", seed: int = 0):
     """Adam's scaling (as ``optax.scale_by_adam``) with its moments stored compactly.
 
-    ``moments="float32"``: as optax (8 bytes per parameter). ``"fp16"``: the first moment and
-    the square root of the second as float16, relative to one float32 scale per block of
-    128 elements along the last axis, rounded stochastically (about 4.06 bytes): 11
-    significant bits over 14 binary orders of magnitude below the block's largest, so that its
-    updates stay within about 0.1% of float32 moments' (norm-wise; tests/test_optim.py).
-    ``"bf16"``: both moments in bf16, rounded stochastically (4 bytes; 8 significant bits:
-    about 0.6%). ``"8bit"``: the same two as 8-bit codes, each a small float (sign, 4 exponent
-    bits, 3 mantissa bits) relative to the block's scale, rounded stochastically (about 2.06
-    bytes; bitsandbytes' 8-bit Adam also keeps a nonlinear code per block). 8 bits is lossy:
-    the rounding noise adds up over the moments' memory, 10 to 15% of the update's norm on
-    that test; the guide's loss curves show what it costs a model. Each step decodes the
-    moments to float32, updates them in float32 and stores them again; the second moment used
-    is at least the step's own ``(1 - b2) * g**2`` (as it is exactly), so that an element whose
-    code rounded to zero in its block still takes a bounded step.
+    ``moments="float32"``: as optax (8 bytes per parameter). ``"bf16"``: both moments in
+    bf16, rounded stochastically (4 bytes; 8 significant bits). The block-coded ones store
+    the first moment and the square root of the second relative to one float32 scale per
+    block of 128 consecutive elements of the leaf's trailing axes (of 64 to 256 where 128
+    does not divide them; the block's largest magnitude), rounded stochastically (unbiased),
+    with the block's two scales held in the sign bits of the second moment's codes (a square
+    root is never negative), so that the bytes below are exact:
+
+    * ``"fp16"`` (4 bytes): float16 codes, the block's scale at 2**15: 11 significant bits
+      down to 2**-29 of the block's largest; updates within about 0.1% of float32 moments'
+      (norm-wise, on gradients spanning four decades in each block: tests/test_optim.py);
+    * ``"8bit"`` (2 bytes): small floats of 4 exponent and 3 mantissa bits (and the first
+      moment's sign), 14 binary orders of magnitude below the block's largest: lossy, about
+      7% of the update's norm on that test;
+    * ``"4bit"`` (1 byte, both moments in it): a sign and a 3-bit power of two for the first
+      moment (2**-6 to 1, and 0), one of 8 levels half an octave apart for the second's root:
+      noisier again (about 45% of the update's norm there); measure it on your model.
+
+    The second moment's root is never stored as zero (below its code's lowest level it is
+    stored as that level: an element's step can only be shortened by it). Each step computes
+    a block's new moments in float32 from the stored ones, twice (once to find the block's
+    new scales, once to encode them), so no float32 moment is materialized; this step's update
+    is computed from the new moments before they are rounded, and is at least bounded by the
+    step's own ``(1 - b2) * g**2`` in the second moment. Leaves of fewer than 64 elements keep
+    float32 moments.
 
     Args:
       b1: the first moment's decay rate.
       b2: the second moment's decay rate.
       eps: added to the second moment's square root in the denominator.
-      moments: ``"float32"``, ``"fp16"``, ``"bf16"`` or ``"8bit"``.
+      moments: ``"float32"``, ``"bf16"``, ``"fp16"``, ``"8bit"`` or ``"4bit"``.
       seed: the seed of the stochastic rounding's random bits (a counter-based hash: the same
         on every backend).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an `AdamState`.
 
+    Raises:
+      ValueError: an unknown ``moments``.
+
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
       >>> tx = hg.optim.scale_by_adam(moments="8bit")
       >>> state = tx.init({"w": jnp.zeros((4, 256), jnp.bfloat16)})
-      >>> state.mu["w"].dtype, state.nu["w"].dtype, state.mu_scale["w"].shape
-      (dtype('uint8'), dtype('uint8'), (4, 2))
+      >>> state.mu["w"].dtype, state.nu["w"].dtype      # one byte each, nothing beside
+      (dtype('uint8'), dtype('uint8'))
     """
     optax = _optax()
     if moments not in _MOMENTS:
         raise ValueError(f"hifigrad.optim.scale_by_adam: moments must be one of {_MOMENTS}; "
                          f"got {moments!r}.")
 
+    def coded(shape) -> bool:
+        return moments in _codes.KINDS and _codes.layout(shape) is not None
+
     def zeros(p):
         shape = np.shape(p)
-        if moments == "float32":
-            return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32), (), ()
-        if moments == "bf16":
-            return jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16), (), ()
-        nb, _ = _blocks(shape)
-        sc = jnp.ones((*shape[:-1], nb) if shape else (1,), jnp.float32)
-        code = jnp.float16 if moments == "fp16" else jnp.uint8
-        return jnp.zeros(shape, code), jnp.zeros(shape, code), sc, sc
+        if coded(shape):
+            return _codes.zeros(moments, shape)
+        dtype = jnp.bfloat16 if moments == "bf16" else jnp.float32
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def init(params):
         leaves, tree = jax.tree.flatten(params)
         z = [zeros(p) for p in leaves]
         return AdamState(count=jnp.zeros((), jnp.int32),
-                         mu=jax.tree.unflatten(tree, [a for a, *_ in z]),
-                         nu=jax.tree.unflatten(tree, [b for _, b, *_ in z]),
-                         mu_scale=jax.tree.unflatten(tree, [c for *_, c, _ in z]),
-                         nu_scale=jax.tree.unflatten(tree, [d for *_, d in z]))
+                         mu=jax.tree.unflatten(tree, [a for a, _ in z]),
+                         nu=jax.tree.unflatten(tree, [b for _, b in z]))
 
     def update(updates, state, params=None):
         del params
@@ -745,40 +702,31 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
         c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
         mus, nus = tree.flatten_up_to(state.mu), tree.flatten_up_to(state.nu)
-        mss, nss = tree.flatten_up_to(state.mu_scale), tree.flatten_up_to(state.nu_scale)
-        out, new_mu, new_nu, new_ms, new_ns = [], [], [], [], []
-        for i, (g, m, v, ms, ns) in enumerate(zip(leaves, mus, nus, mss, nss)):
+        out, new_mu, new_nu = [], [], []
+        for i, (g, m, v) in enumerate(zip(leaves, mus, nus)):
             g = jnp.asarray(g, jnp.float32)
-            if moments in _BLOCKED:
-                decode = _BLOCKED[moments][1]
-                m = decode(m, ms)
-                v = jnp.square(decode(v, ns))
-            m = b1 * jnp.asarray(m, jnp.float32) + (1 - b1) * g
-            v = b2 * jnp.asarray(v, jnp.float32) + (1 - b2) * jnp.square(g)
             shape = np.shape(g)
-            if moments == "float32":
-                sm, sv, ms2, ns2 = m, v, ms, ns
-            elif moments == "bf16":
-                sm = round_to_bf16(m, "stochastic", _leaf_bits(seed, 2 * count, i, shape))
-                sv = round_to_bf16(v, "stochastic", _leaf_bits(seed, 2 * count + 1, i, shape))
-                ms2, ns2 = ms, ns
-                m, v = sm.astype(jnp.float32), sv.astype(jnp.float32)
+            if coded(shape):
+                bits = _codes.leaf_bits32(seed, count, i, shape)
+                sm, sv, m, v = _codes.update(moments, g, m, v, bits, b1, b2)
+                # the exact v_t >= (1 - b2) g_t**2: an element whose stored code was rounded
+                # to 0 in its block still divides by its own gradient's size
+                v = jnp.maximum(v, (1 - b2) * jnp.square(g))
             else:
-                encode, decode = _BLOCKED[moments]
-                sm, ms2 = encode(m, _leaf_bits(seed, 2 * count, i, shape))
-                sv, ns2 = encode(jnp.sqrt(v), _leaf_bits(seed, 2 * count + 1, i, shape))
-                m = decode(sm, ms2)
-                # exact v_t >= (1 - b2) g_t**2: an element whose code rounded to 0 in its
-                # block still divides by its own gradient's size
-                v = jnp.maximum(jnp.square(decode(sv, ns2)), (1 - b2) * jnp.square(g))
+                m = b1 * jnp.asarray(m, jnp.float32) + (1 - b1) * g
+                v = b2 * jnp.asarray(v, jnp.float32) + (1 - b2) * jnp.square(g)
+                if moments == "bf16":
+                    bits = _codes.leaf_bits32(seed, count, i, shape)
+                    sm = round_to_bf16(m, "stochastic", (bits & 0xFFFF).astype(jnp.uint16))
+                    sv = round_to_bf16(v, "stochastic", (bits >> 16).astype(jnp.uint16))
+                else:
+                    sm, sv = m, v
+            # this step's update from its moments before they are rounded for storage
             out.append((m / c1) / (jnp.sqrt(v / c2) + eps))
             new_mu.append(sm)
             new_nu.append(sv)
-            new_ms.append(ms2)
-            new_ns.append(ns2)
         unf = functools.partial(jax.tree.unflatten, tree)
-        return unf(out), AdamState(count=count, mu=unf(new_mu), nu=unf(new_nu),
-                                   mu_scale=unf(new_ms), nu_scale=unf(new_ns))
+        return unf(out), AdamState(count=count, mu=unf(new_mu), nu=unf(new_nu))
 
     return optax.GradientTransformation(init, update)
 
@@ -786,9 +734,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 1e-4, mask=None, *, moments: str = "float32", seed: int = 0):
     """AdamW (``optax.adamw``) with its moments stored as `scale_by_adam` says: ``"float32"``,
-    ``"fp16"`` (block-scaled float16), ``"bf16"`` or ``"8bit"`` (block-scaled 8-bit codes), all
-    rounded stochastically. Combine it with `master_weights`, `kahan` or
-    `stochastic_rounding` for the parameters themselves.
+    ``"bf16"``, or block-coded ``"fp16"``, ``"8bit"`` or ``"4bit"`` (4, 2 or 1 bytes per
+    parameter for both moments), all rounded stochastically. Combine it with
+    `master_weights`, `kahan` or `stochastic_rounding` for the parameters themselves.
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -797,7 +745,7 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       eps: added to the second moment's square root in the denominator.
       weight_decay: decoupled weight decay (optax's ``add_decayed_weights``).
       mask: which leaves weight decay applies to (as optax's ``mask``).
-      moments: ``"float32"``, ``"fp16"``, ``"bf16"`` or ``"8bit"``.
+      moments: ``"float32"``, ``"bf16"``, ``"fp16"``, ``"8bit"`` or ``"4bit"``.
       seed: the seed of the moments' stochastic rounding.
 
     Returns:
@@ -805,10 +753,10 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
-      >>> tx = hg.optim.master_weights(hg.optim.adamw(1e-3, moments="8bit"), master="split")
+      >>> tx = hg.optim.master_weights(hg.optim.adamw(1e-3, moments="8bit"), master="split8")
       >>> state = tx.init({"w": jnp.zeros((8, 128), jnp.bfloat16)})
-      >>> state.master["w"].dtype, state.inner[0].mu["w"].dtype   # 2 + 1 + 1 bytes
-      (dtype('uint16'), dtype('uint8'))
+      >>> state.master["w"].dtype, state.inner[0].mu["w"].dtype   # 1 + 1 + 1 bytes
+      (dtype('uint8'), dtype('uint8'))
     """
     optax = _optax()
     return optax.chain(scale_by_adam(b1, b2, eps, moments=moments, seed=seed),

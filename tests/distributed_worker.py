@@ -547,34 +547,41 @@ def case_checkpoint_in_shard_map(report):
 def case_optimizer_state(report):
     """hifigrad.optim's compact training state on FSDP-sharded bf16 parameters: three jitted
     steps on 8 devices give bitwise the parameters and state one device gives (the stochastic
-    rounding's bits are threefry's, the same however the step is partitioned; the 128-element
-    blocks of the compact moments lie along the unsharded last axis), and every per-parameter
-    state leaf keeps its parameter's sharding."""
+    roundings' bits are a counter-based hash of each element's position in the whole array,
+    the same however the step is partitioned; the compact moments' blocks lie within the
+    trailing axes, unsharded here, including an attention kernel whose last axis is 32 wide and
+    whose blocks span its last two axes), every per-parameter state leaf keeps its
+    parameter's sharding, and the parameters and state are donated to the step."""
     import optax
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    params = _rng_params(4, {"w1": (64, 256), "b1": (256,), "w2": (256, 128)}, jnp.bfloat16)
-    specs = {"w1": P("data", None), "b1": P(), "w2": P("data", None)}
+    params = _rng_params(4, {"w1": (64, 256), "b1": (256,), "w2": (256, 128),
+                             "wq": (64, 4, 32)}, jnp.bfloat16)
+    specs = {"w1": P("data", None), "b1": P(), "w2": P("data", None),
+             "wq": P("data", None, None)}
     shard = {k: NamedSharding(mesh, specs[k]) for k in params}
     rng = np.random.default_rng(5)
     grads = [{k: jnp.asarray(rng.standard_normal(v.shape) * np.logspace(-6, -1, v.shape[-1]),
                              jnp.float32) for k, v in params.items()} for _ in range(3)]
+    adamw = hg.optim.adamw
     configs = {
-        "split_fp16": hg.optim.master_weights(hg.optim.adamw(1e-3, moments="fp16"),
-                                              master="split"),
-        "split_8bit": hg.optim.master_weights(hg.optim.adamw(1e-3, moments="8bit"),
-                                              master="split"),
-        "kahan_bf16": hg.optim.kahan(hg.optim.adamw(1e-3, moments="bf16")),
-        "sr_bf16": hg.optim.stochastic_rounding(hg.optim.adamw(1e-3, moments="bf16"), seed=7),
+        "split_fp16": hg.optim.master_weights(adamw(1e-3, moments="fp16"), master="split"),
+        "split_8bit": hg.optim.master_weights(adamw(1e-3, moments="8bit"), master="split"),
+        "split8_4bit": hg.optim.master_weights(adamw(1e-3, moments="4bit"), master="split8",
+                                               seed=3),
+        "kahan_bf16": hg.optim.kahan(adamw(1e-3, moments="bf16")),
+        "sr_bf16": hg.optim.stochastic_rounding(adamw(1e-3, moments="bf16"), seed=7),
+        "sr_8bit": hg.optim.stochastic_rounding(adamw(1e-3, moments="8bit"), seed=7),
         "f32_master": hg.optim.master_weights(optax.adamw(1e-3)),
     }
     for name, tx in configs.items():
-        @jax.jit
         def step(p, s, g, tx=tx):
             # JAX's default promotion: optax's own adam and apply_updates mix dtypes
             with jax.numpy_dtype_promotion("standard"):
                 u, s = tx.update(g, s, p)
                 return optax.apply_updates(p, u), s
+
+        step = jax.jit(step, donate_argnums=(0, 1))
 
         def run(p, put, tx=tx, step=step):
             s = jax.jit(tx.init)(p)
@@ -582,10 +589,12 @@ def case_optimizer_state(report):
                 p, s = step(p, s, put(g))
             return p, s
 
-        p8, s8 = run({k: jax.device_put(v, shard[k]) for k, v in params.items()},
+        # (from host copies: a replicated device_put may share the original's buffer, which
+        # the donated step would delete)
+        p8, s8 = run({k: jax.device_put(np.asarray(v), shard[k]) for k, v in params.items()},
                      lambda g: {k: jax.device_put(v, shard[k]) for k, v in g.items()})
         p1, s1 = run(_single_device(params), _single_device)
-        moved = any(bool(jnp.any(p8[k] != params[k])) for k in params)
+        moved = all(bool(jnp.any(p8[k] != params[k])) for k in params)
         assert moved, name
         for a, b in zip(jax.tree.leaves((p8, s8)), jax.tree.leaves((p1, s1))):
             np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),

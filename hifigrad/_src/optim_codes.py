@@ -1,0 +1,357 @@
+"""Compact codes for `hifigrad.optim`: block-scaled Adam moments and counter-based random bits.
+
+Adam's two moments are stored per parameter as the first moment ``m`` and the square root ``s``
+of the second, each relative to one float32 scale per block (the block's largest magnitude),
+rounded stochastically (unbiased):
+
+* ``"fp16"``: ``m`` as a float16, ``s`` as a float16's 15 magnitude bits (2 bytes each), the
+  scale at 2**15: 11 significant bits down to 2**-29 of the block's largest;
+* ``"8bit"``: ``m`` as a sign and a 7-bit small float (4 exponent bits, 3 mantissa bits: 2**-14
+  to 1, and 0), ``s`` as the same 7-bit code with its lowest binade 2**-15 instead of 0
+  (1 byte each);
+* ``"4bit"``: one byte for both: ``m`` as a sign and a 3-bit power of two (2**-6 to 1, and 0),
+  ``s`` as one of 8 levels half a binary order of magnitude apart (2**-3.5 to 1).
+
+``s`` is never stored as zero (a value below its code's lowest level is stored as that level):
+a second moment rounded to zero would divide its first moment by nothing, one rounded up only
+shortens that element's step.
+
+**Blocks.** A leaf of at least 64 elements is cut into blocks of ``B`` consecutive elements
+(row-major order) within its trailing axes: the fewest trailing axes holding 64 elements or
+more (a last axis of 64 or more: that axis alone), ``B`` = 128 where it divides their size,
+else the divisor of their size in [64, 256] nearest 128, else their whole size. A parameter
+sharded along a leading axis keeps its blocks on one device. Smaller leaves keep float32
+moments (their bytes are negligible).
+
+**Scales in the sign bits.** ``s`` is never negative: its code's sign bit is free. In each
+block, element ``j < 32`` holds bit ``j`` of the block's scale of ``m`` there, and element
+``32 <= j < 64`` bit ``j - 32`` of the scale of ``s``; the state is then exactly 4, 2 or 1
+bytes per parameter, with nothing beside it.
+
+**No float32 moment is materialized.** A step reads a block's codes and gradient in two
+passes: a reduction computes the new moments elementwise and keeps only each block's largest
+magnitudes (the new scales); an elementwise pass computes them again and encodes them. XLA
+fuses the elementwise work into each pass (on CPU a block is viewed as rows of at most 32
+elements, the longest reduction XLA:CPU fuses with what it reads), so the update needs no
+temporary of the moments' size.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MIN_BLOCK = 64   # a block holds its two float32 scales' 64 bits
+BLOCK = 128
+KINDS = ("fp16", "8bit", "4bit")
+
+
+class Layout(NamedTuple):
+    lead: tuple   # the leading axes, kept as they are
+    nb: int       # blocks per row of the trailing axes
+    block: int    # elements per block
+
+
+def layout(shape) -> Layout | None:
+    """The blocks of a leaf of this shape, or None (fewer than 64 elements: float32 moments)."""
+    shape = tuple(int(d) for d in shape)
+    if int(np.prod(shape, dtype=np.int64)) < MIN_BLOCK:
+        return None
+    k, size = 0, 1
+    while size < MIN_BLOCK:
+        k += 1
+        size *= shape[-k]
+    if size % BLOCK == 0:
+        block = BLOCK
+    else:
+        divisors = [d for d in range(MIN_BLOCK, 2 * BLOCK + 1) if size % d == 0]
+        block = min(divisors, key=lambda d: (abs(d - BLOCK), d)) if divisors else size
+    return Layout(shape[:-k], size // block, block)
+
+
+def _view(lay: Layout, split: bool) -> tuple[int, int]:
+    """A block as (rows, columns) of the blocked view: (1, B), or with ``split`` the most
+    columns up to 32 (XLA:CPU rewrites a reduction over more than 32 elements into a
+    reduce-window, which does not fuse with the elementwise decoding before it: that would
+    be materialized, 4 bytes per element; two axes of at most 32 and the rest fuse)."""
+    if not split:
+        return 1, lay.block
+    c = max(d for d in range(1, 33) if lay.block % d == 0)
+    return lay.block // c, c
+
+
+def to_blocks(x, lay: Layout, view=None):
+    """``x`` (of the leaf's shape) as (*lead, nb, rows, columns)."""
+    rows, cols = view or (1, lay.block)
+    return jnp.reshape(x, (*lay.lead, lay.nb, rows, cols))
+
+
+# ------------------------------------------------------------------ random bits
+
+def hash32(x):
+    """An integer hash of uint32 values (Wellons' "lowbias32"): exact integer arithmetic, so
+    the same bits on every backend."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def leaf_bits32(seed, count, index: int, shape):
+    """uint32 random bits for leaf ``index`` at step ``count``: a counter-based hash of each
+    element's position in the leaf, keyed by ``seed``, the step and the leaf (two rounds of
+    `hash32`). Exact integer arithmetic: the same bits on every backend and under any
+    sharding (the position is the element's in the whole array); elementwise, so it fuses
+    with the rounding that uses it."""
+    step = jnp.asarray(count).astype(jnp.uint32)
+    key = hash32(hash32(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9))
+                 + step * jnp.uint32(0x85EBCA6B) + jnp.uint32((index * 0xC2B2AE35) & 0xFFFFFFFF))
+    pos = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        pos = pos + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= shape[d]
+    return hash32(hash32(pos ^ key) + key)
+
+
+# ------------------------------------------------------------------ magnitude codes
+
+def _f32_bits(x):
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _small_float(e_bits: int, m_bits: int, zero: bool):
+    """(encode, decode) of a magnitude in [0, 1] as an unsigned small float of ``e_bits``
+    exponent bits (the top exponent is 1's) and ``m_bits`` mantissa bits, rounded
+    stochastically with 16 random bits (unbiased to 2**-16 of a step).
+
+    With ``zero``, exponent code 0 is zero, and below the smallest normal value 2**(1 - top)
+    a value rounds stochastically to 0 or that value (unbiased). Without, exponent code 0 is
+    one more binade, 2**-top, and a value below it is stored as 2**-top: never zero, never
+    less than a 2**-top-th of the block's largest. (The second moment's root is stored so:
+    one stored as zero would divide its first moment by nothing; one stored too large only
+    shortens that element's step.)"""
+    top = (1 << e_bits) - 1
+    bias = 127 - top                   # float32 exponent of 2**0 is 127; it is code `top`
+    drop = 23 - m_bits                 # float32 mantissa bits below the kept ones
+    smallest = 2.0 ** (1 - top) if zero else 2.0 ** -top
+
+    def encode(y, r16):
+        if not zero:
+            y = jnp.maximum(y, smallest)
+        u = _f32_bits(y) + (r16 << (drop - 16))          # 16 random bits under the kept ones
+        u = u & jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+        e = (u >> 23).astype(jnp.int32) - bias
+        code = (jnp.clip(e, 0, top) << m_bits) | ((u >> drop) & ((1 << m_bits) - 1)).astype(
+            jnp.int32)
+        if not zero:
+            return code.astype(jnp.uint32)
+        up = r16.astype(jnp.float32) * (2.0 ** -16) < y * (1.0 / smallest)
+        tiny = jnp.where(up, 1 << m_bits, 0)
+        return jnp.where(y < smallest, tiny, code).astype(jnp.uint32)
+
+    def decode(code):
+        code = code.astype(jnp.uint32)
+        e = code >> m_bits
+        bits = ((e + bias) << 23) | ((code & ((1 << m_bits) - 1)) << drop)
+        value = lax.bitcast_convert_type(bits, jnp.float32)
+        return jnp.where(e == 0, 0.0, value) if zero else value
+
+    return encode, decode
+
+
+def _half_octaves(n_bits: int):
+    """(encode, decode) of a magnitude in [0, 1] as one of ``2**n_bits`` levels half a binary
+    order of magnitude apart, ``2**(-k / 2)`` for ``k`` from ``2**n_bits - 1`` (code 0) down to
+    0 (the top code): rounded stochastically between the two levels around it (unbiased to
+    2**-16 of a step); below the lowest level, stored as the lowest (never zero)."""
+    top = (1 << n_bits) - 1
+    lowest = 2.0 ** (-top / 2)
+
+    def encode(y, r16):
+        y = jnp.maximum(y, lowest)
+        u = _f32_bits(y)
+        e = (u >> 23).astype(jnp.int32) - 127                     # y = 2**e (1 + f)
+        frac = lax.bitcast_convert_type((u & 0x7FFFFF) | 0x3F800000, jnp.float32)   # 1 + f
+        upper_half = frac >= np.float32(np.sqrt(2))
+        k = 2 * e + upper_half.astype(jnp.int32)                   # y in [L, L sqrt2)
+        low = jnp.where(upper_half, np.float32(np.sqrt(2)), 1.0) * lax.bitcast_convert_type(
+            ((e + 127) << 23).astype(jnp.uint32), jnp.float32)
+        p_up = (y - low) / (low * np.float32(np.sqrt(2) - 1))
+        up = r16.astype(jnp.float32) * (2.0 ** -16) < p_up
+        return jnp.clip(k + top + up.astype(jnp.int32), 0, top).astype(jnp.uint32)
+
+    def decode(code):
+        j = top - code.astype(jnp.int32)                           # the value is 2**(-j/2)
+        whole = lax.bitcast_convert_type(((127 - j // 2) << 23).astype(jnp.uint32), jnp.float32)
+        return jnp.where(j % 2 == 1, np.float32(np.sqrt(0.5)), 1.0) * whole
+
+    return encode, decode
+
+
+_F16_UP = 2.0 ** 15   # a block's scale maps to 2**15: float16's normal range then spans 2**-29
+
+
+def _encode_f16(y, r16):
+    """The float16 bits (15, no sign) of ``y * 2**15`` for ``y`` in [0, 1], rounded
+    stochastically: 11 significant bits down to 2**-29 of the scale, steps of 2**-39 below."""
+    z = y * _F16_UP
+    normal = lax.bitcast_convert_type((_f32_bits(z) + (r16 >> 3)) & jnp.uint32(0xFFFFE000),
+                                      jnp.float32)
+    sub = jnp.floor(z * 2.0 ** 24 + r16.astype(jnp.float32) * 2.0 ** -16) * 2.0 ** -24
+    q = jnp.where(z < 2.0 ** -14, sub, normal).astype(jnp.float16)   # exact: a float16 value
+    return lax.bitcast_convert_type(q, jnp.uint16).astype(jnp.uint32)
+
+
+def _decode_f16(code):
+    f = lax.bitcast_convert_type(code.astype(jnp.uint16), jnp.float16)
+    return f.astype(jnp.float32) * (1.0 / _F16_UP)
+
+
+# kind: (bits of one code, sign included; the first moment's (encode, decode); the second
+# moment root's (encode, decode))
+_CODES = {"fp16": (16, (_encode_f16, _decode_f16), (_encode_f16, _decode_f16)),
+          "8bit": (8, _small_float(4, 3, True), _small_float(4, 3, False)),
+          "4bit": (4, _small_float(3, 0, True), _half_octaves(3))}
+
+
+# ------------------------------------------------------------------ the scales' bits
+
+def _scale_bits(scale_m, scale_s, view):
+    """Per element of a block (the last two axes, a view of its B elements), the bit of the
+    block's scales it holds: elements 0..31 the first moment's scale's bits, 32..63 the
+    second's, the rest 0. ``scale_m``, ``scale_s``: float32 (*lead, nb, 1, 1)."""
+    rows, cols = view
+    sm, ss = _f32_bits(scale_m), _f32_bits(scale_s)
+    lead = (1,) * (sm.ndim - 2)
+    if cols == 32:  # each row of 32 holds one word: the word by row, a bit by column
+        words = jnp.concatenate([sm, ss] + [jnp.zeros_like(sm)] * (rows - 2), axis=-2)
+        return (words >> lax.broadcasted_iota(jnp.uint32, (*lead, 1, cols), sm.ndim - 1)) & 1
+    j = (lax.broadcasted_iota(jnp.uint32, (*lead, *view), sm.ndim - 2) * cols
+         + lax.broadcasted_iota(jnp.uint32, (*lead, *view), sm.ndim - 1))
+    bit = jnp.where(j < 32, sm >> (j & 31), jnp.where(j < 64, ss >> (j & 31), jnp.uint32(0)))
+    return bit & 1
+
+
+def _read_scales(kind, mu, nu, lay):
+    """The blocks' (scale of m, scale of s), each of shape (*lead, nb, 1, 1), from the sign
+    bits of the second moment's codes in the first 64 elements of each block."""
+    if kind == "4bit":
+        words, shift = mu, 3
+    else:
+        words, shift = nu, (15 if kind == "fp16" else 7)
+    first = to_blocks(words, lay)[..., 0, :MIN_BLOCK]
+    first = first.reshape(*first.shape[:-1], 2, 32).astype(jnp.uint32)
+    bits = ((first >> shift) & 1) << lax.broadcasted_iota(jnp.uint32, first.shape,
+                                                          first.ndim - 1)
+    words = lax.reduce(bits, np.uint32(0), lax.bitwise_or, (first.ndim - 1,))
+    scales = lax.bitcast_convert_type(words, jnp.float32)[..., None, None]
+    return scales[..., 0, :, :], scales[..., 1, :, :]
+
+
+def _block_max(x):
+    """The largest of each block (the last two axes, kept) of non-negative float32 ``x``: an
+    integer maximum of its bits (their order is the values'; NaN's bits are above inf's).
+    XLA:CPU hands a float reduction to a library kernel that reads a materialized operand;
+    an integer one it fuses with the elementwise computation of ``x``."""
+    bits = lax.reduce(_f32_bits(x), np.uint32(0), lax.max, (x.ndim - 2, x.ndim - 1))
+    return lax.bitcast_convert_type(bits, jnp.float32)[..., None, None]
+
+
+def zeros(kind: str, shape):
+    """The stored (m, s) of a fresh leaf: zero codes and zero scales."""
+    if kind == "fp16":
+        return jnp.zeros(shape, jnp.float16), jnp.zeros(shape, jnp.uint16)
+    if kind == "8bit":
+        return jnp.zeros(shape, jnp.uint8), jnp.zeros(shape, jnp.uint8)
+    return jnp.zeros(shape, jnp.uint8), ()
+
+
+def _words(kind, mu, nu, lay, view):
+    """(m words, s words) as blocked uint32."""
+    if kind == "4bit":
+        w = to_blocks(mu, lay, view).astype(jnp.uint32)
+        return w >> 4, w & 15
+    if kind == "fp16":
+        mu = lax.bitcast_convert_type(mu, jnp.uint16)
+    return (to_blocks(mu, lay, view).astype(jnp.uint32),
+            to_blocks(nu, lay, view).astype(jnp.uint32))
+
+
+def _stored(kind, mw, sw, shape):
+    """The state leaves from blocked (m words, s words)."""
+    if kind == "4bit":
+        return jnp.reshape(((mw << 4) | sw).astype(jnp.uint8), shape), ()
+    dtype = jnp.uint16 if kind == "fp16" else jnp.uint8
+    mu = jnp.reshape(mw.astype(dtype), shape)
+    if kind == "fp16":
+        mu = lax.bitcast_convert_type(mu, jnp.float16)
+    return mu, jnp.reshape(sw.astype(dtype), shape)
+
+
+def decode(kind: str, mu, nu, shape):
+    """(m, s) as float32 arrays of the leaf's shape (for tests and inspection)."""
+    lay = layout(shape)
+    width, (_, dec), (_, sdec) = _CODES[kind]
+    view = (1, lay.block)
+    mw, sw = _words(kind, mu, nu, lay, view)
+    sign, mag = jnp.uint32(1 << (width - 1)), jnp.uint32((1 << (width - 1)) - 1)
+    sc_m, sc_s = _read_scales(kind, mu, nu, lay)
+    m = jnp.where((mw & sign) != 0, -1.0, 1.0) * dec(mw & mag) * sc_m
+    s = sdec(sw & mag) * sc_s
+    return jnp.reshape(m, shape), jnp.reshape(s, shape)
+
+
+def update(kind: str, g, mu, nu, bits, b1: float, b2: float):
+    """One Adam step of a leaf's block-coded moments.
+
+    Args:
+      kind: ``"fp16"``, ``"8bit"`` or ``"4bit"``.
+      g: the float32 gradient.
+      mu, nu: the stored state leaves (`zeros`' layout).
+      bits: uint32 random bits of ``g``'s shape (low half for m, high half for s).
+      b1, b2: Adam's decay rates.
+
+    Returns:
+      ``(mu, nu, m, v)``: the new state leaves and the new moments before their rounding
+      (float32, ``g``'s shape), from which the step's update is computed: only elementwise
+      multiplications and additions of the stored values and ``g``, which XLA recomputes
+      where they are used rather than keeping a float32 copy (an expensive operation, such
+      as the square root that encoding the second moment takes, would be kept).
+    """
+    def on(split):
+        return lambda *args: _update(kind, *args, b1=b1, b2=b2, split=split)
+
+    return lax.platform_dependent(g, mu, nu, bits, cpu=on(True), default=on(False))
+
+
+def _update(kind, g, mu, nu, bits, *, b1, b2, split):
+    shape = np.shape(g)
+    lay = layout(shape)
+    view = _view(lay, split)
+    width, (enc, dec), (senc, sdec) = _CODES[kind]
+    sign, mag = jnp.uint32(1 << (width - 1)), jnp.uint32((1 << (width - 1)) - 1)
+    gb = to_blocks(g, lay, view)
+    mw, sw = _words(kind, mu, nu, lay, view)
+    sc_m, sc_s = _read_scales(kind, mu, nu, lay)
+    m_old = jnp.where((mw & sign) != 0, -1.0, 1.0) * dec(mw & mag) * sc_m
+    s_old = sdec(sw & mag) * sc_s
+    m = b1 * m_old + (1 - b1) * gb
+    v = b2 * jnp.square(s_old) + (1 - b2) * jnp.square(gb)
+    # The new scales: the blocks' largest new magnitudes, reduced from the new moments as
+    # they are computed (elementwise, fused into the reduction: nothing is materialized);
+    # the encoding below computes them again.
+    new_sc_m = _block_max(jnp.abs(m))
+    new_sc_s = jnp.sqrt(_block_max(v))
+    # relative to the scales (clipped to 1: the pass may round the moments differently)
+    rel_m = jnp.clip(jnp.where(new_sc_m > 0, jnp.abs(m) / new_sc_m, 0.0), 0.0, 1.0)
+    rel_s = jnp.clip(jnp.where(new_sc_s > 0, jnp.sqrt(v) / new_sc_s, 0.0), 0.0, 1.0)
+    r = to_blocks(bits, lay, view)
+    new_mw = jnp.where(m < 0, sign, jnp.uint32(0)) | enc(rel_m, r & 0xFFFF)
+    new_sw = (_scale_bits(new_sc_m, new_sc_s, view) << (width - 1)) | senc(rel_s, r >> 16)
+    new_mu, new_nu = _stored(kind, new_mw, new_sw, shape)
+    return new_mu, new_nu, jnp.reshape(m, shape), jnp.reshape(v, shape)
