@@ -876,3 +876,25 @@ def test_a_mask_passed_in_any_dtype_keeps_the_slicing(kind, monkeypatch):
     whole = hg.compress_checkpoints(loss, "int8", backward_slices=1)
     _close_to_largest(jax.jit(hg.grad(cc))(w, x, mask), jax.jit(hg.grad(whole))(w, x, mask),
                       rtol=1e-5)
+
+
+def test_the_first_block_of_an_unrolled_stack_slices(monkeypatch):
+    """Unrolled remat'd blocks: the first one's input is the function's own (it stays alive,
+    so it is saved as it is, not encoded), and still its float32 backward slices (it ran at
+    once: a bf16 NNX decoder's step then took 2x plain jax.grad's memory)."""
+    from hifigrad._src import checkpoint as ck
+
+    monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 64)
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.normal(size=(32, 32)) / 6, jnp.bfloat16) for _ in range(3)]
+    x = jnp.asarray(rng.normal(size=(8, 64, 32)), jnp.bfloat16)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jax.checkpoint(lambda c, w: c + jnp.tanh(c @ w))(x, w)
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    cc = hg.compress_checkpoints(loss, "int8")
+    assert hg.slice_report(hg.grad(cc), ws, x) == ["sliced: 4 slices of 2 batch rows"] * 3
+    whole = hg.compress_checkpoints(loss, "int8", backward_slices=1)
+    _close_to_largest(jax.jit(hg.grad(cc))(ws, x), jax.jit(hg.grad(whole))(ws, x), rtol=1e-5)

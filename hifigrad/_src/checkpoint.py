@@ -235,6 +235,11 @@ def _activations(encode, args) -> tuple[int | None, int | None, list[int]]:
     acts = [i for i, (a, e) in enumerate(zip(args, encode))
             if e and np.ndim(a) >= 2 and is_float_array(a)]
     if not acts:
+        # Nothing encoded (the first block of `compress_checkpoints`, whose input is the
+        # function's own and stays alive): the float inputs of two or more axes are the
+        # candidates, the largest giving the batch (the analysis refuses a wrong pick).
+        acts = [i for i, a in enumerate(args) if np.ndim(a) >= 2 and is_float_array(a)]
+    if not acts:
         return None, None, []
     big = max(acts, key=lambda i: np.size(args[i]))
     batch = np.shape(args[big])[0]
@@ -416,7 +421,7 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
         return None, f'save="{save}" recomputes nothing: its backward runs at once'
     batch, big, same = _activations(encode, flat)
     if batch is None:
-        return None, "no activation to slice (no encoded float input of two or more axes)"
+        return None, "no activation to slice (no float input of two or more axes)"
     jaxpr, jconsts, _ = compat.make_jaxpr_closed(converted, *flat, *consts)
     k, why_one = _slice_count(slices, policy, jaxpr, flat, big, batch)
     if k <= 1:
