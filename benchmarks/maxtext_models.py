@@ -41,8 +41,8 @@ import tempfile
 BASE = dict(
     override_model_config=True,
     base_emb_dim=256,
-    base_mlp_dim=512,
-    vocab_size=1024,
+    base_mlp_dim=1024,
+    vocab_size=256,
     scan_layers=True,
     attention="dot_product",
     hardware="cpu",
@@ -71,19 +71,24 @@ CONFIGS = {
                    base_num_query_heads=4, base_num_kv_heads=2, head_dim=64,
                    sliding_window_size=128),
     # deepseek3-tiny: MLA (low-rank q and kv, YaRN RoPE on qk_rope_head_dim) and a sigmoid
-    # routed MoE (16 experts, 8 per token, 1 shared) after first_num_dense_layers=3 dense
-    # layers (two scans).
+    # routed MoE (4 experts, 2 per token, 1 shared) after first_num_dense_layers=1 dense
+    # layer (two scans), routed dropless (capacity_factor=-1) by MaxText's dense path
+    # (sparse_matmul=False: an einsum over every expert, weighted per token).
     "deepseek": dict(model_name="deepseek3-tiny", remat_policy="full",
                      base_num_query_heads=4, base_num_kv_heads=4,
                      q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=64,
-                     qk_rope_head_dim=32, v_head_dim=64, base_moe_mlp_dim=128),
+                     qk_rope_head_dim=32, v_head_dim=64, base_moe_mlp_dim=128,
+                     num_experts=4, num_experts_per_tok=2, first_num_dense_layers=1,
+                     sparse_matmul=False, capacity_factor=-1),
 }
 # Not asked for by default: deepseek with MaxText's other MoE paths. MaxText's default
-# (sparse_matmul=True, megablox=True) routes inside a jax.shard_map and runs megablox's
-# Pallas grouped matmul; megablox=False runs jax.lax.ragged_dot in that shard_map instead;
-# sparse_matmul=False is the dense (einsum over all experts, weighted) path.
-CONFIGS["deepseek-ragged"] = dict(CONFIGS["deepseek"], megablox=False)
-CONFIGS["deepseek-dense"] = dict(CONFIGS["deepseek"], sparse_matmul=False)
+# (sparse_matmul=True, megablox=True) routes inside a jax.shard_map, sorting every token of the
+# batch by expert, and runs megablox's Pallas grouped matmul; megablox=False runs
+# jax.lax.ragged_dot in that shard_map instead.
+CONFIGS["deepseek-sparse"] = dict(CONFIGS["deepseek"], sparse_matmul=True)
+CONFIGS["deepseek-ragged"] = dict(CONFIGS["deepseek"], sparse_matmul=True, megablox=False)
+# capacity-limited routing (MaxText's dense path computes each sequence's capacity: per row)
+CONFIGS["deepseek-capacity"] = dict(CONFIGS["deepseek"], capacity_factor=1.0)
 DEFAULT = ("llama2-full", "llama2-minimal", "mistral", "gemma2", "deepseek")
 
 

@@ -9,6 +9,7 @@ from ._src.api import precise_backward as precise_backward
 from ._src.api import value_and_grad as value_and_grad
 from ._src.api import vjp as vjp
 from ._src.checkpoint import SliceCheckError as SliceCheckError
+from ._src.checkpoint import SliceWarning as SliceWarning
 from ._src.checkpoint import checkpoint as checkpoint
 from ._src.checkpoint import scan as scan
 from ._src.checkpoint import slice_report as slice_report
@@ -72,6 +73,7 @@ __all__ = [
     "optim",
     "scan",
     "SliceCheckError",
+    "SliceWarning",
     "slice_report",
     "UnsupportedPrimitiveError",
     "UntestedJaxWarning",

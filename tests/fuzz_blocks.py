@@ -167,6 +167,30 @@ def _dropout_pos(x, p):
     return jnp.where(keep, x / 0.75, 0.0)
 
 
+def _moe_dense(x, p, experts: int = 4, k: int = 2):
+    """Dropless top-k routing as MaxText's dense path: per token, the top-k expert weights
+    scattered into a [B, T, E] array by (row position, token position, expert), then every
+    expert's output weighted by them."""
+    logits = x @ p["w"][:, :experts]
+    top_w, top_i = lax.top_k(logits, k)
+    b, t = x.shape[:2]
+    weights = jnp.zeros((b, t, experts), x.dtype).at[
+        (jnp.arange(b)[:, None, None], jnp.arange(t)[:, None], top_i)].set(
+            jax.nn.softmax(top_w, -1))
+    outs = jnp.stack([jnp.tanh(x * (e + 1) * 0.5) for e in range(experts)], -2)
+    return jnp.einsum("bte,bted->btd", weights, outs)
+
+
+def _moe_global_capacity(x, p, experts: int = 4, capacity: int = 20):
+    """Top-1 routing with a capacity over the whole batch's tokens (a cumsum over the
+    flattened batch): which tokens are dropped depends on the other rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    choice = jnp.argmax(flat @ p["w"][:, :experts], -1)
+    onehot = jax.nn.one_hot(choice, experts, dtype=x.dtype)
+    kept = (jnp.cumsum(onehot, 0) * onehot).sum(-1) <= capacity
+    return (flat * kept[:, None].astype(x.dtype)).reshape(x.shape)
+
+
 def _take_t(x, p):
     idx = jnp.broadcast_to((p["pos"] * 3 % x.shape[1])[..., None], x.shape)
     return jnp.take_along_axis(x, idx, axis=1)
@@ -246,6 +270,11 @@ ROWWISE = {
     "dropout_pos": lambda x, p: _dropout_pos(x, p),
     "one_hot_max": lambda x, p: x * jax.nn.one_hot(jnp.argmax(x, -1), x.shape[-1], dtype=x.dtype),
     "ones_like_set": lambda x, p: x * jnp.ones_like(x).at[:, 0].set(0.5),
+    # a row's position as an index (`x[arange(B), idx]`, MaxText's dense MoE routing weights)
+    "pick_by_row_index": lambda x, p: x * x[jnp.arange(x.shape[0])[:, None],
+                                            jnp.arange(x.shape[1])[None, :],
+                                            jnp.argmax(x, -1)][..., None],
+    "moe_dense_topk": lambda x, p: _moe_dense(x, p),
     "depthwise_conv_t": lambda x, p: lax.conv_general_dilated(
         x, p["w"][:3, None, :], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
         feature_group_count=x.shape[-1]),
@@ -285,6 +314,8 @@ MIXING = {
         * jnp.arange(1, B // 2 + 2).astype(jnp.complex64)[:, None, None],
         n=x.shape[0], axis=0),
     "stack_b": lambda x, p: jnp.stack([x[::2], x[1::2]], 1).reshape(x.shape),
+    "iota_b_mask": lambda x, p: x * (jnp.arange(x.shape[0]) < 3)[:, None, None].astype(x.dtype),
+    "moe_global_capacity": lambda x, p: _moe_global_capacity(x, p),
 }
 
 # The chooser family (issue 45: a wrong gradient on jax 0.12 that only compiled programs show):

@@ -567,7 +567,10 @@ def test_sliced_backward_equals_unsliced(maybe_jit):
     backward's gradients, float32. Both recompute the same bf16 forward rows (bitwise, with
     excess precision off, as conftest sets); the cotangents differ only in the order the
     parameter cotangents' float32 sums over the 2048 rows are taken (per slice, then across
-    the 4 slices): a few float32 eps of the largest entry (measured 2 eps; bound 16 eps)."""
+    the 4 slices): a few float32 eps of the largest entry (measured 2 eps; bound 16 eps).
+    Under ``matmul='fast'`` (a TPU's or GPU's choice) each backward matmul rounds its float32
+    cotangent to bf16, and where the two cotangents straddle a rounding boundary they differ
+    by one bf16 step there: bound 2**-8 of the largest entry (measured 2**-17)."""
     n, b, t, d = 2, 16, 128, 32
     p = _attn_params(n, d, jnp.bfloat16)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, d)), jnp.bfloat16)
@@ -585,7 +588,9 @@ def test_sliced_backward_equals_unsliced(maybe_jit):
     for a, w in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want)):
         assert a.dtype == jnp.float32 and w.dtype == jnp.float32
         err = np.max(np.abs(np.asarray(a) - np.asarray(w)))
-        assert err <= 16 * np.finfo(np.float32).eps * np.max(np.abs(np.asarray(w))), err
+        rel = 2.0 ** -8 if hg.Policy().resolved_matmul() == "fast" else \
+            16 * np.finfo(np.float32).eps
+        assert err <= rel * np.max(np.abs(np.asarray(w))), err
 
 
 def test_sliced_backward_equals_jax_grad_in_float32(maybe_jit):

@@ -854,3 +854,54 @@ def test_what_depends_on_other_rows_is_refused(name, block, why, monkeypatch):
     monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)
     got = fb.check(block, _probe_args(), 4)
     assert not got.startswith("sliced") and why in got, got
+
+
+# ------------------------------------------------------------------ a row's position as an index
+
+@pytest.mark.parametrize("name", ["pick_by_row_index", "moe_dense_topk"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_rows_position_indexing_its_own_row_slices(name, k, monkeypatch):
+    """``x[arange(B), idx]`` and MaxText's dense MoE routing weights (``w.at[arange(B)[:,
+    None, None], arange(T)[:, None], top_k_idx].set(...)``, whose backward holds JAX's scatter
+    JVP: update ids scattered and compared): the iota along the batch axis indexes each row
+    of a value batched along it, so at a slice it is the slice's own rows. Sliced and exact."""
+    from hifigrad._src import checkpoint as ck
+
+    monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)
+    why = fb.check(fb.make_block([name, "tanh_mm"], "btd"), fb.args(0), k)
+    assert why.startswith("sliced"), why
+
+
+@pytest.mark.parametrize("name, why", [
+    ("iota_b_mask", "the row's position (an iota along the batch axis) used otherwise"),
+    ("iota_b", "the row's position"),
+    ("moe_global_capacity", "accumulates along the batch axis"),
+])
+def test_a_rows_position_used_as_a_value_is_refused(name, why, monkeypatch):
+    """The same iota as a value (a mask ``arange(B) < n``, a factor), or routing whose
+    capacity counts the whole batch's tokens: other rows decide, and slicing is refused."""
+    from hifigrad._src import checkpoint as ck
+
+    monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)
+    got = fb.check(fb.make_block([name], "btd"), fb.args(0), 4)
+    assert not got.startswith("sliced") and why in got, got
+
+
+def test_position_types_only_pass_through_what_keeps_them():
+    """The analysis itself: an iota along the batch axis is a `Position` (mixing for any rule
+    that does not know it); it passes broadcasts, integer casts, identities and JAX's
+    normalization of negative indices, becomes an index vector component by concatenation,
+    and a gather by it is batched; arithmetic on it (``p + 1`` as an index) is mixing."""
+    from hifigrad._src import separable as S
+
+    def typed(f, *args):
+        jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+        t = S.analyse(jaxpr, [0] * len(jaxpr.invars), 8)
+        return t.out_types
+
+    x = jnp.ones((8, 6))
+    assert typed(lambda x: x[jnp.arange(8), jnp.argmax(x, -1)], x) == [0]
+    out = typed(lambda x: x[(jnp.arange(8) + 1) % 8, 0], x)[0]
+    assert isinstance(out, S.Mix) and not isinstance(out, S.Position), out
+    out = typed(lambda x: x * jnp.arange(8.0)[:, None], x)[0]
+    assert isinstance(out, S.Mix) and not isinstance(out, S.Position), out

@@ -72,7 +72,7 @@ from .codecs import Codec, Encoded, get_codec
 from .policy import Policy, effective_policy, resolve_checkpoint_policy
 from .separable import call_jaxpr as _call_jaxpr
 
-__all__ = ["checkpoint", "scan"]
+__all__ = ["SliceWarning", "checkpoint", "scan"]
 
 _SAVE = ("inputs", "residuals")
 
@@ -307,12 +307,46 @@ class _SlicePlan:
         return shape[axis] // self.batch
 
 
+class SliceWarning(UserWarning):
+    """A compressed checkpoint whose float32 backward would run in batch slices (its block
+    computes in a narrower dtype) cannot, and runs at once: that backward holds the float32
+    cotangents of the block's largest values, more memory than a bf16 backward of it.
+
+    Warned once per checkpoint (its source line), at the first trace, naming what stopped the
+    slicing and the extra memory; `hifigrad.slice_report` says the same. ``backward_slices=1``
+    (at once, asked for) silences it.
+
+    Examples:
+      >>> import hifigrad as hg
+      >>> issubclass(hg.SliceWarning, UserWarning)
+      True
+    """
+
+
+class _Unsliced(str):
+    """`_slice_decision`'s reason when slicing was wanted (a bf16 block's float32 backward)
+    and refused: its float32 backward runs at once and holds more than a bf16 one would."""
+
+
+_warned_unsliced: set = set()
+
+
 def _slice_plan(fun_flat, converted, consts, flat, encode, policy: Policy, save: str,
                 slices) -> _SlicePlan | None:
-    """`_slice_decision`'s plan, its reason recorded for `slice_report`."""
+    """`_slice_decision`'s plan, its reason recorded for `slice_report`; a `SliceWarning`
+    once per checkpoint where slicing was wanted and refused."""
     plan, why = _slice_decision(converted, consts, flat, encode, policy, save, slices)
     for log in _SLICE_LOGS:
-        log.append(why)
+        log.append(str(why))
+    if isinstance(why, _Unsliced) and not _SLICE_LOGS:  # (slice_report says it itself)
+        where = compat.current_source() or "an unknown place"
+        if where not in _warned_unsliced:
+            _warned_unsliced.add(where)
+            import warnings
+
+            warnings.warn(f"hifigrad: the checkpoint at {where} runs its float32 backward at "
+                          f"once, not in batch slices: {why}. Pass backward_slices=1 to that "
+                          f"checkpoint to say so and silence this.", SliceWarning, stacklevel=2)
     return plan
 
 
@@ -387,6 +421,7 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
     k, why_one = _slice_count(slices, policy, jaxpr, flat, big, batch)
     if k <= 1:
         return None, why_one
+    wanted = slices is None  # automatic: a bf16 block's float32 backward
     n = len(flat) + len(consts)
     first = None
     for seeds in ([same, [big]] if len(same) > 1 else [same]):
@@ -405,7 +440,26 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
             first = first or why
             if not size_dependent:
                 break
+    if wanted:
+        return None, _Unsliced(f"{first}; {_widening(jaxpr, flat[big], policy)}")
     return None, first
+
+
+def _widening(jaxpr, x, policy: Policy) -> str:
+    """What the float32 backward of a block run at once holds more than a bf16 one: the
+    cotangent of its largest value narrower than the tangent dtype, at the tangent's width."""
+    tangent = np.dtype(policy.tangent_dtype)
+    size = np.size(x)
+    narrow = [v.aval for v in _all_outvars(jaxpr)
+              if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
+              and np.dtype(v.aval.dtype).itemsize < tangent.itemsize
+              and math.prod(getattr(v.aval, "shape", ())) >= size]
+    a = max(narrow, key=lambda a: math.prod(a.shape))
+    n = math.prod(a.shape)
+    extra = n * (tangent.itemsize - np.dtype(a.dtype).itemsize) / 2 ** 20
+    return (f"its {tangent} backward holds the cotangents of values as large as "
+            f"{a.str_short()} in {tangent} ({n * tangent.itemsize / 2 ** 20:.3g} MiB each, "
+            f"{extra:.3g} MiB more than in {a.dtype})")
 
 
 def _forward_mixes(typing) -> str | None:

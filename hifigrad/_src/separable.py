@@ -90,6 +90,43 @@ class Mix:
         return f"Mix({self.why!r})"
 
 
+class Position(Mix):
+    """The row's position along the batch axis (an iota along it), as an index: ``x[arange(B),
+    idx]``, MaxText's ``w.at[arange(B)[:, None, None], arange(T)[:, None], idx]``. At a slice
+    the iota is the slice's own (0 to B/k - 1): as an index into a value batched along that
+    axis it picks the slice's own rows, so a gather or scatter by it is row by row. Any other
+    use (a mask ``arange(B) < n``, a key folded in) would see other positions at a slice: for
+    every rule that does not know it (`_POSITION_RULES`), it is mixing.
+
+    ``axis``: the axis along which the value is the position; ``comp``: for an index array
+    whose last axis holds index vectors, the component that is the position (None: the value
+    itself); ``rest``: the type of the other components (None or ``axis``); ``derived``: a
+    piece of JAX's normalization of negative indices (`_pos_normalized`); ``ids``: not the
+    row's position but an injective labeling of the batch's elements, batch-major (an iota
+    over the batch merged with other axes: JAX's scatter JVP scatters such ids and compares
+    them to see which update won), which only moves and equality may read (`_ids_rule`)."""
+
+    __slots__ = ("axis", "comp", "rest", "derived", "ids")
+
+    def __init__(self, why: str, axis: int, comp: int | None = None, rest=None,
+                 derived: bool = False, ids: bool = False):
+        super().__init__(why)
+        self.axis, self.comp, self.rest, self.derived, self.ids = axis, comp, rest, derived, ids
+
+    def __repr__(self):
+        return (f"Position(axis={self.axis}, comp={self.comp}, rest={self.rest}"
+                f"{', derived' if self.derived else ''}{', ids' if self.ids else ''})")
+
+    def _key(self):
+        return (self.axis, self.comp, self.rest, self.derived, self.ids)
+
+    def __eq__(self, other):
+        return isinstance(other, Position) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+
 _CONFLICT = "conflict"  # a variable demanded batched along two axes
 
 
@@ -122,7 +159,11 @@ class Typing:
         return None if compat.is_literal(v) else self.of.get(v)
 
     def axis(self, v) -> int | None:
+        """The batch axis of `v` (a `Position` is batch-long along its axis too: it is
+        resized), or None."""
         t = self.type(v)
+        if isinstance(t, Position):
+            return t.axis
         return int(t) if is_axis(t) else None
 
     def sub(self, i: int, j: int) -> Typing | None:
@@ -145,8 +186,8 @@ class Typing:
         """Whether equation i takes or makes a batched value (it is resized)."""
         eqn = self.jaxpr.eqns[i]
         return i in self.subs or any(
-            is_axis(self.type(v)) for v in (*eqn.invars, *eqn.outvars)
-            if not compat.is_dropvar(v))
+            self.axis(v) is not None for v in (*eqn.invars, *eqn.outvars)
+            if not compat.is_dropvar(v) and not compat.is_literal(v))
 
 
 # ------------------------------------------------------------------------------ the registry
@@ -300,6 +341,15 @@ class _Pass:
     def _eqn(self, cx: _Cx, eqn, ins: list, want: list) -> list:
         n = len(eqn.outvars)
         mixes = [t for t in ins if isinstance(t, Mix)]
+        if any(isinstance(t, Position) for t in mixes):
+            prule = _POSITION_RULES.get(eqn.primitive)
+            outs = prule(cx, eqn, ins, want) if prule is not None else None
+            if outs is None:
+                outs = _ids_rule(cx, eqn, ins, want)
+            if outs is not None:
+                return outs
+            pos = next(t for t in mixes if isinstance(t, Position))
+            return [Mix(pos.why)] * n  # a plain mix: no other use keeps the position
         if mixes:
             return [mixes[0]] * n
         if all(t is None for t in ins) and all(w is None for w in want):
@@ -660,7 +710,11 @@ def _iota_types(cx: _Cx, eqn, ins, want):
     if w is None:
         return [None]
     if eqn.params["dimension"] == w:
-        return [cx.mix("the row's position (an iota along the batch axis)")]
+        where = compat.source_summary(eqn)
+        merged = cx.out_shape()[w] != cx.batch  # an iota over the batch and other axes
+        return [Position(f"iota{f' at {where}' if where else ''}: the row's position (an iota "
+                         f"along the batch axis) used otherwise than to index the batch", w,
+                         ids=merged)]
     return [w]
 
 
@@ -1482,6 +1536,260 @@ def _hi_primitive_types(cx: _Cx, eqn, ins, want):
 
 
 register([compat.call_hi_primitive_p], _hi_primitive_types)
+
+
+# ------------------------------------------------------------------------ row positions
+# How a `Position` passes: through what only moves it (broadcasts, reshapes, integer casts,
+# JAX's normalization of negative indices, the concatenation of index vectors) and into the
+# gathers and scatters that index the batch axis by it. Each rule returns None where it does
+# not apply: the position is then plain mixing.
+
+_POSITION_RULES: dict = {}
+
+
+def _position_of(ins) -> Position | None:
+    ps = [t for t in ins if isinstance(t, Position)]
+    return ps[0] if len(ps) == 1 else None
+
+
+def _pos_broadcast(cx: _Cx, eqn, ins, want):
+    p = ins[0]
+    if not isinstance(p, Position) or p.comp is not None or p.derived or p.ids or any(
+            t is not None for t in ins[1:]):
+        return None
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    a = dims[p.axis]
+    if want[0] is not None and want[0] != a:
+        return None
+    return [Position(p.why, a)]
+
+
+def _pos_reshape(cx: _Cx, eqn, ins, want):
+    p = ins[0]
+    if not isinstance(p, Position) or p.comp is not None or p.derived or p.ids or \
+            eqn.params.get("dimensions"):
+        return None
+    j = _reshape_axis(cx.shape(0), p.axis, cx.out_shape(), cx.batch)
+    src, dst = cx.shape(0), cx.out_shape()
+    # only unit axes added or removed: the position stays one value per row
+    if j is None or [d for d in src if d != 1] != [d for d in dst if d != 1]:
+        return None
+    return [Position(p.why, j)]
+
+
+def _pos_cast(cx: _Cx, eqn, ins, want):
+    p = ins[0]
+    if not isinstance(p, Position) or p.derived or p.ids or not jax.numpy.issubdtype(
+            eqn.params["new_dtype"], jax.numpy.integer):
+        return None
+    return [Position(p.why, p.axis, p.comp, p.rest)]
+
+
+def _pos_derived(cx: _Cx, eqn, ins, want):
+    """``lt(p, 0)`` and ``add(p, n)`` of a position by a literal: the pieces of JAX's
+    normalization of negative indices (`_pos_normalized`), batch-long along its axis, and
+    mixing for any other use."""
+    p = ins[0]
+    if not isinstance(p, Position) or p.comp is not None or p.derived or p.ids or \
+            not all(compat.is_literal(v) and np.ndim(v.val) == 0 for v in eqn.invars[1:]):
+        return None
+    return [Position(p.why, p.axis, derived=True)]
+
+
+def _pos_normalized(cx: _Cx, eqn, ins, want):
+    """``select_n(lt(p, 0), p, add(p, n))``: JAX's normalization of negative indices, which
+    leaves a position (never negative) as it is."""
+    if len(ins) != 3 or not isinstance(ins[1], Position) or ins[1].derived or ins[1].ids:
+        return None
+    producer = cx.typing.producer()
+    pred, p, other = eqn.invars
+    lt, add = producer.get(pred), producer.get(other)
+    if lt is None or add is None or lt.primitive.name != "lt" or add.primitive.name != "add":
+        return None
+    if lt.invars[0] is not p or not compat.is_literal(lt.invars[1]) or \
+            np.any(np.asarray(lt.invars[1].val) != 0):
+        return None
+    if p not in add.invars or not all(v is p or compat.is_literal(v) for v in add.invars):
+        return None
+    return [ins[1]]
+
+
+def _pos_concatenate(cx: _Cx, eqn, ins, want):
+    """Index vectors concatenated along the last axis (JAX's advanced indexing): one piece the
+    position, the others per row or not batched."""
+    r = len(cx.out_shape())
+    if eqn.params["dimension"] != r - 1:
+        return None
+    comp, pos, rest = 0, None, set()
+    for j, t in enumerate(ins):
+        size = cx.shape(j)[-1]
+        if isinstance(t, Position):
+            if pos is not None or t.comp is not None or t.derived or t.ids or size != 1 \
+                    or t.axis == r - 1:
+                return None
+            pos = (t, comp)
+        elif isinstance(t, Mix) or t is SUM:
+            return None
+        elif t is not None:
+            rest.add(int(t))
+        comp += size
+    if pos is None:
+        return None
+    p, c = pos
+    if rest - {p.axis}:
+        return None
+    for j, t in enumerate(ins):
+        if t is None and cx.shape(j)[p.axis] != 1 and not cx.demand(j, p.axis):
+            return None
+    return [Position(p.why, p.axis, c, p.axis if rest else None)]
+
+
+def _pos_index(cx: _Cx, eqn, ins, want, n_ops: int, op_dim_of_comp, idx_j: int,
+               is_scatter: bool):
+    """A gather or scatter whose index vectors hold the position along the indices' axis
+    `t.axis` in the component that indexes operand dimension d: the batch axis is d for the
+    operands, `t.axis` for the indices, and the matching axis for the updates/result."""
+    t = ins[idx_j]
+    if not isinstance(t, Position) or t.comp is None or t.derived or t.ids:
+        return None
+    d = op_dim_of_comp(t.comp)
+    if d is None:
+        return None
+    n_out = len(eqn.outvars)
+    for j in range(n_ops):
+        if not ((is_axis(ins[j]) and ins[j] == d) or (ins[j] is None and cx.demand(j, d))):
+            return None
+    return d, t.axis, n_out
+
+
+def _pos_gather(cx: _Cx, eqn, ins, want):
+    dn = eqn.params["dimension_numbers"]
+    start = tuple(dn.start_index_map)
+    found = _pos_index(cx, eqn, ins, want, 1,
+                       lambda c: start[c] if c < len(start) else None, 1, False)
+    if found is None:
+        return None
+    d, ai, _ = found
+    offset = tuple(dn.offset_dims)
+    out_batch = [k for k in range(len(cx.out_shape())) if k not in offset]
+    # the batch axis of the operand is collapsed (indexed by the position): the result's
+    # batch axis is the indices' position axis
+    if d not in tuple(dn.collapsed_slice_dims) or ai >= len(out_batch):
+        return None
+    return [out_batch[ai]]
+
+
+def _pos_scatter(cx: _Cx, eqn, ins, want):
+    dn = eqn.params["dimension_numbers"]
+    n_in = len(ins)
+    n_ops = (n_in - 1) // 2
+    s2o = tuple(dn.scatter_dims_to_operand_dims)
+    found = _pos_index(cx, eqn, ins, want, n_ops,
+                       lambda c: s2o[c] if c < len(s2o) else None, n_ops, True)
+    if found is None:
+        return None
+    d, ai, n_out = found
+    if d not in tuple(dn.inserted_window_dims):
+        return None
+    uwin = tuple(dn.update_window_dims)
+    upd_rank = len(cx.shape(n_in - 1))
+    upd_scatter = [k for k in range(upd_rank) if k not in uwin]
+    if ai >= len(upd_scatter):
+        return None
+    ju = upd_scatter[ai]
+    for jj in range(n_ops + 1, n_in):
+        if not ((is_axis(ins[jj]) and ins[jj] == ju) or (ins[jj] is None and cx.demand(jj, ju))):
+            return None
+    return [d] * n_out
+
+
+_SCATTERS = frozenset(_named("scatter", "scatter-add", "scatter_add", "scatter_mul",
+                              "scatter_min", "scatter_max", "scatter_sub"))
+_IDS_MOVES = frozenset([lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p, lax.transpose_p,
+                        lax.convert_element_type_p, lax.add_p])
+_IDS_COMPARE = frozenset(_named("eq", "ne"))
+
+
+def _constant(cx: _Cx, v) -> bool:
+    """Whether `v` is a literal, or a broadcast of a scalar literal (the same everywhere)."""
+    if compat.is_literal(v):
+        return np.ndim(v.val) == 0
+    e = cx.typing.producer().get(v)
+    return (e is not None and e.primitive is lax.broadcast_in_dim_p
+            and compat.is_literal(e.invars[0]) and np.ndim(e.invars[0].val) == 0)
+
+
+def _ids_rule(cx: _Cx, eqn, ins, want):
+    """An injective labeling of the batch's elements (`Position` with ``ids``, or a row
+    position, injective too), moved (reshaped, broadcast, cast, shifted by an unbatched
+    value, scattered or gathered by per-row indices: still one label per element, batch-major)
+    or compared for equality (a row-wise result: labels of one row are equal only to labels of
+    that row). JAX's JVP of a scatter with possibly repeated indices does exactly this."""
+    prim = eqn.primitive
+
+    def data(t):
+        return isinstance(t, Position) and t.comp is None and not t.derived
+
+    def view(t):
+        return t.axis if data(t) else t
+
+    if prim in _IDS_COMPARE:
+        if not any(data(t) for t in ins) or any(
+                isinstance(t, Mix) and not data(t) for t in ins):
+            return None
+        return _broadcasting_types(cx, eqn, [view(t) for t in ins], want)
+    if prim in _SCATTERS or prim is lax.gather_p:
+        idx = (len(ins) - 1) // 2 if prim in _SCATTERS else 1
+        if not any(data(t) for j, t in enumerate(ins) if j != idx):
+            return None
+        viewed = [t if j == idx else view(t) for j, t in enumerate(ins)]
+        if any(isinstance(t, Mix) and not isinstance(t, Position) for t in viewed):
+            return None
+        if isinstance(viewed[idx], Position):
+            outs = (_pos_scatter if prim in _SCATTERS else _pos_gather)(cx, eqn, viewed, want)
+        elif isinstance(viewed[idx], Mix):
+            return None
+        else:
+            outs = (_scatter_types if prim in _SCATTERS else _gather_types)(cx, eqn, viewed,
+                                                                            want)
+    elif prim in _IDS_MOVES:
+        if prim is lax.convert_element_type_p and not jax.numpy.issubdtype(
+                eqn.params["new_dtype"], jax.numpy.integer):
+            return None
+        if prim is lax.add_p and not (sum(data(t) for t in ins) == 1 and all(
+                data(t) or t is None or _constant(cx, v) for t, v in zip(ins, eqn.invars))):
+            return None  # (a shift by one value keeps labels distinct; JAX adds ones)
+        viewed = [view(t) for t in ins]
+        if any(isinstance(t, Mix) for t in viewed):
+            return None
+        outs = rule_for(prim).types(cx, eqn, viewed, want)
+    else:
+        return None
+    if outs is None or not all(is_axis(o) for o in outs):
+        return None
+    why = next(t for t in ins if isinstance(t, Position)).why
+    return [Position(why, int(o), ids=True) for o in outs]
+
+
+def _pos_identity(cx: _Cx, eqn, ins, want):
+    """Identities on values (a sharding constraint, a copy, a checkpoint name): the position
+    or the labels pass as they are."""
+    if len(ins) != 1 or not isinstance(ins[0], Position):
+        return None
+    return [ins[0]] * len(eqn.outvars)
+
+
+for _p in (compat.copy_p, *_named("copy"), compat.name_p, compat.sharding_constraint_p,
+           compat.pvary_p, compat.optimization_barrier_p):
+    if _p is not None:
+        _POSITION_RULES[_p] = _pos_identity
+_POSITION_RULES.update({lax.lt_p: _pos_derived, lax.add_p: _pos_derived,
+                        lax.broadcast_in_dim_p: _pos_broadcast, lax.reshape_p: _pos_reshape,
+                        lax.convert_element_type_p: _pos_cast, lax.select_n_p: _pos_normalized,
+                        lax.concatenate_p: _pos_concatenate, lax.gather_p: _pos_gather})
+for _p in _named("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+                 "scatter_max", "scatter_sub"):
+    _POSITION_RULES[_p] = _pos_scatter
 
 
 # ------------------------------------------------------------------------ same program
