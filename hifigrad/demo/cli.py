@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                     "It writes report.md (tables and conclusions), results.json (every "
                     "measurement) and PNG plots (loss curves, gradient SQNR, memory) to --out. "
                     "How long: the default gpt run took 114 s on 2 idle CPU cores and 283 s on "
-                    "2 cores shared at a load average of 10; --quick took 4 min 49 s on those "
-                    "busy cores (84 s of CPU time). "
+                    "2 cores shared at a load average of 10; --quick took 2 min 38 s to 4 min "
+                    "49 s on 2 cores shared at load averages of 7 to 10 (about 80 s of CPU "
+                    "time). "
                     f"Needs the demo extra: {INSTALL_DEMO}.",
         epilog="modes: " + "; ".join(f"{m.name} ({m.label})" for m in MODES))
     d.add_argument("--task", choices=TASKS, default="gpt",
