@@ -817,3 +817,62 @@ def test_compress_checkpoints_tangent_dtype_is_policys_shorthand():
     with pytest.raises(ValueError, match="conflicts with policy.tangent_dtype"):
         hg.compress_checkpoints(loss, "int8", tangent_dtype=jnp.float32,
                                 policy=hg.Policy(tangent_dtype=jnp.bfloat16))
+
+
+# ------------------------------------------------------------------ masks passed in, any dtype
+
+def _mask(kind, b, t):
+    """Masks as users make them, with their libraries' default dtypes."""
+    if kind == "nnx.make_causal_mask":
+        from flax import nnx
+        return nnx.make_causal_mask(jnp.ones((b, t)))  # float32 [B, 1, T, T]
+    if kind == "linen.make_causal_mask":
+        import flax.linen as nn
+        return nn.make_causal_mask(jnp.ones((b, t)))
+    if kind == "linen.make_attention_mask":  # a padding mask: the last 3 tokens of odd rows
+        import flax.linen as nn
+        valid = (jnp.arange(t)[None, :] < t - 3 * (jnp.arange(b)[:, None] % 2)).astype(
+            jnp.float32)
+        return nn.make_attention_mask(valid, valid)
+    if kind == "additive_b11t":
+        return jnp.where(jnp.arange(t)[None, None, None, :] < t - 2, 0.0, -1e9) * jnp.ones(
+            (b, 1, 1, t))
+    if kind == "bool":
+        return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, 1, t, t))
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize("kind", ["nnx.make_causal_mask", "linen.make_causal_mask",
+                                  "linen.make_attention_mask", "additive_b11t", "bool"])
+def test_a_mask_passed_in_any_dtype_keeps_the_slicing(kind, monkeypatch):
+    """A bf16 block that takes its attention mask as an argument, made as the libraries' docs
+    make it (float32 by default): the slice count is the block's own (its bf16 scores and
+    hidden), not the mask's dtype, so the float32 backward slices by itself, and equals the
+    one at once. It did not: a float32 mask made the widest input float32 (issue 49)."""
+    pytest.importorskip("flax")
+    from hifigrad._src import checkpoint as ck
+
+    monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 64)
+    b, t, d = 8, 32, 32
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(2, d, d)) / np.sqrt(d), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)
+    mask = _mask(kind, b, t)
+
+    def block(c, w, m):
+        s = jnp.einsum("btd,bsd->bts", c, c @ w)[:, None].astype(jnp.float32)
+        keep = m if m.dtype == jnp.bool_ else m > 0
+        s = s + m if kind == "additive_b11t" else jnp.where(keep, s, -1e9)
+        p = jax.nn.softmax(s, -1)[:, 0].astype(c.dtype)
+        return c + jnp.einsum("bts,bsd->btd", p, jnp.tanh(c @ w)), None
+
+    def loss(w, x, m):  # the mask reaches each remat'd block
+        body = jax.checkpoint(lambda c, wi: block(c, wi, m))
+        return jnp.mean(jax.lax.scan(body, x, w)[0].astype(jnp.float32) ** 2)
+
+    cc = hg.compress_checkpoints(loss, "int8")
+    report = hg.slice_report(hg.grad(cc), w, x, mask)
+    assert report and all(r.startswith("sliced") for r in report), report
+    whole = hg.compress_checkpoints(loss, "int8", backward_slices=1)
+    _close_to_largest(jax.jit(hg.grad(cc))(w, x, mask), jax.jit(hg.grad(whole))(w, x, mask),
+                      rtol=1e-5)
