@@ -582,3 +582,278 @@ def test_report_splits_the_saving_into_slicing_and_codec():
     (line,) = _split_conclusion(results)
     assert "takes 0.60x of the bf16 jax.checkpoint scan's peak" in line
     assert "int8 act, f32 grad (hg) 0.75x" in line and "bf16 hg exact" not in line
+
+
+# ------------------------------------------------------------------------------ the report's claims
+# Synthetic results (no training run) fed to the report: each claim appears only where the
+# numbers printed with it support it, and the opposite numbers give the opposite claim or none.
+
+MB = 2**20
+
+
+def _row(name, **fields):
+    from hifigrad.demo.modes import get_mode
+
+    m = get_mode(name)
+    row = {"name": name, "label": m.label, "description": m.description, "saved": m.saved,
+           "counterpart": m.counterpart, "grad": m.grad, "dtype": "bfloat16", "status": "ok",
+           "reason": None, "losses": [2.5] * 20, "sqnr_db": [40.0], "sqnr_step0_db": 40.0,
+           "sqnr_mean_db": 40.0, "final_loss": 2.5, "final_gap": 0.0, "mean_abs_gap": 0.005,
+           "val_loss": 2.5, "residual_bytes": MB, "block_residual_bytes": MB // 2,
+           "temp_bytes": 4 * MB, "step_ms": 30.0, "step_ms_quartiles": [29.0, 31.0],
+           "compile_s": 10.0, "lost_grad_frac_step0": 0.0, "skipped_steps": 0}
+    row.update(fields)
+    return row
+
+
+def _synthetic(*rows, config=None, **extra):
+    import dataclasses
+
+    from hifigrad.demo.train import DemoConfig
+
+    f32 = _row("f32", final_gap=None, mean_abs_gap=None, sqnr_step0_db=None, sqnr_mean_db=None)
+    results = {"config": dataclasses.asdict(DemoConfig(**(config or {}))),
+               "environment": {"jax": "0.10.2", "python": "3.11", "backend": "cpu",
+                               "device": "cpu", "device_count": 1},
+               "corpus": "synthetic", "n_params": 235_904, "eval_steps": [0],
+               "modes": [f32, *rows], "optimizer_temp_bytes": MB,
+               "remat_bf16_block_residual_bytes": MB, "remat_bf16_temp_bytes": 4 * MB,
+               "length_sweep": None, "memory_at_scale": None, "wall_s": 1.0}
+    results.update(extra)
+    return results
+
+
+def _conclusions(results):
+    from hifigrad.demo.report import conclusions
+
+    return conclusions(results)
+
+
+def _markdown(results):
+    from hifigrad.demo.report import _markdown, conclusions
+
+    results.setdefault("conclusions", conclusions(results))
+    return _markdown(results, None)
+
+
+def test_report_states_its_noise_threshold_first():
+    from hifigrad.demo.report import SEED_SPREAD, noise
+
+    r = _synthetic(_row("bf16"), config={"seed": 3})
+    first = _conclusions(r)[0]
+    n = noise(r)
+    assert n["source"] == "default" and n["loss"] == SEED_SPREAD["default"]["loss"]
+    assert first.startswith("**Noise threshold**") and "(seed 3)" in first
+    assert f"differences under {n['loss']:g} nats in loss" in first
+    assert f"{n['sqnr_step0']:g} dB in gradient SQNR at step 0" in first
+    assert "over seeds 0 to 4 of the default configuration (the run-to-run spread)" in first
+
+
+def test_noise_thresholds_are_those_measured_for_the_configuration_run():
+    """--quick gets the spread measured on --quick; a configuration never measured gets the
+    larger of the measured ones, and the report says it was not measured."""
+    import dataclasses
+
+    from hifigrad.demo.report import SEED_SPREAD, SPREAD_CONFIGS, noise
+    from hifigrad.demo.train import QUICK, DemoConfig
+
+    for name, cfg in (("default", DemoConfig()), ("--quick", QUICK)):
+        sizes = {k: getattr(cfg, k) for k in SPREAD_CONFIGS[name]}
+        assert sizes == SPREAD_CONFIGS[name], name
+        n = noise({"config": dataclasses.asdict(dataclasses.replace(cfg, seed=7))})
+        assert n == {**SEED_SPREAD[name], "source": name}
+    other = {"config": dataclasses.asdict(dataclasses.replace(QUICK, steps=1000))}
+    n = noise(other)
+    assert n["source"] is None and n["loss"] == max(t["loss"] for t in SEED_SPREAD.values())
+    from hifigrad.demo.report import noise_note
+
+    assert "spread between seeds was not measured" in noise_note(
+        {**other, "config": {**other["config"], "seed": 0}})
+
+
+def test_loss_differences_within_the_threshold_are_not_claimed():
+    """The case that prompted the threshold: 0.00006 apart in final loss, 0.0009 in mean
+    |Δloss|: neither row is called closer to f32."""
+    text = " ".join(_conclusions(_synthetic(
+        _row("bf16", final_gap=-0.00200, mean_abs_gap=0.0060),
+        _row("bf16-hg", final_gap=-0.00194, mean_abs_gap=0.0069))))
+    assert "closer to f32" not in text and "further from f32" not in text
+    assert "Closest" not in text and "Further from the f32 loss curve" not in text
+    assert "gaps to f32 -0.0019 vs -0.002, within the noise threshold: neither is claimed " \
+        "closer" in text
+    assert "bf16 jax.grad 0.006, bf16 hg exact 0.0069; no order among these is claimed" in text
+
+
+@pytest.mark.parametrize("hg_gap, plain_gap, word", [(-0.002, 0.05, "closer to"),
+                                                     (0.05, -0.002, "further from")])
+def test_loss_differences_beyond_the_threshold_are_claimed(hg_gap, plain_gap, word):
+    out = _conclusions(_synthetic(_row("bf16", final_gap=plain_gap, mean_abs_gap=abs(plain_gap)),
+                                  _row("bf16-hg", final_gap=hg_gap, mean_abs_gap=abs(hg_gap))))
+    (line,) = [c for c in out if c.startswith("bf16 hg exact vs bf16 jax.grad")]
+    assert f"final loss {word} f32's" in line
+    (far,) = [c for c in out if c.startswith("Further from the f32 loss curve")]
+    worse = "bf16 jax.grad" if plain_gap > hg_gap else "bf16 hg exact"
+    better = "bf16 hg exact" if worse == "bf16 jax.grad" else "bf16 jax.grad"
+    assert f"**{worse}** (mean |Δloss| 0.05, final-loss gap +0.05)" in far and better not in far
+
+
+@pytest.mark.parametrize("step", [+1, 0, -1])
+def test_sqnr_differences_are_named_only_beyond_the_threshold(step):
+    """A difference of 1.5x the threshold is named (higher or lower), one of half of it is
+    not; step 0 and the mean over training each against their own threshold."""
+    from hifigrad.demo.report import noise
+
+    base = _synthetic(_row("bf16"))
+    n = noise(base)
+    plain0, plain = 40.0, 40.0
+    hg0 = plain0 + (1.5 * step or 0.5) * n["sqnr_step0"]
+    hg = plain + (1.5 * step or 0.5) * n["sqnr_mean"]
+    verdict = {1: "higher", 0: "within the noise threshold", -1: "lower"}[step]
+    out = _conclusions(_synthetic(_row("bf16", sqnr_mean_db=plain, sqnr_step0_db=plain0),
+                                  _row("bf16-hg", sqnr_mean_db=hg, sqnr_step0_db=hg0)))
+    (line,) = [c for c in out if c.startswith("bf16 hg exact vs bf16 jax.grad")]
+    assert f"({hg - plain:+.1f} dB, {verdict});" in line
+    assert f"({hg0 - plain0:+.1f} dB, {verdict});" in line
+    (ranked,) = [c for c in out if c.startswith("Gradient SQNR vs f32 (mean over training)")]
+    if step == 0:
+        assert f"every mode within {n['sqnr_mean']:g} dB" in ranked and "**" not in ranked
+    else:
+        best = "bf16 hg exact" if step > 0 else "bf16 jax.grad"
+        assert f"Highest: **{best}**" in ranked
+
+
+def test_memory_ratios_are_against_a_baseline_row_the_table_shows():
+    """Every memory ratio is relative to a row of the table beside it, and the table says which
+    row that is: the plain scan's 5.19x is read against the baseline's 1.00."""
+    from hifigrad.demo.report import memory_table
+
+    r = _synthetic(_row("bf16", block_residual_bytes=int(5.19 * MB), temp_bytes=6 * MB),
+                   _row("int8-hg", block_residual_bytes=MB // 4, temp_bytes=3 * MB))
+    header, rows = memory_table(r)
+    assert header == ["mode", "blocks MB", "x baseline", "temp MB", "x baseline"]
+    assert rows[0] == ["bf16 jax.checkpoint scan (baseline)", "1.00", "1.00", "4.00", "1.00"]
+    assert rows[1][0] == "f32 reference"
+    assert rows[2] == ["bf16 jax.grad", "5.19", "5.19", "6.00", "1.50"]
+    assert rows[3] == ["int8 act, f32 grad (hg)", "0.25", "0.25", "3.00", "0.75"]
+    text = " ".join(_conclusions(r))
+    assert "relative to the memory table's baseline row" in text
+    assert "keeps 5.19x the baseline's bytes" in text and "int8 act, f32 grad (hg) 0.25x" in text
+    assert "int8 act, f32 grad (hg) 0.75x" in text
+    report = _markdown(r)
+    table = report.split("## Memory against the bf16 remat scan")[1]
+    assert "The first row is the baseline" in table
+    assert "| bf16 jax.checkpoint scan (baseline) | 1.00 | 1.00 | 4.00 | 1.00 |" in table
+
+
+def _at_scale(int8, int4, int2, none=53):
+    import dataclasses
+
+    from hifigrad.demo.train import SCALE, SCALE_BATCH
+
+    return {"model": dataclasses.asdict(SCALE), "batch_size": SCALE_BATCH,
+            "remat_bf16_temp_bytes": 100 * MB, "compile_s": 1.0,
+            "temp_bytes": {"none-hg": none * MB, "int8-hg": int8 * MB, "int4-hg": int4 * MB,
+                           "int2-hg": int2 * MB}}
+
+
+@pytest.mark.parametrize("temps, falls", [((37, 35, 34), True), ((37, 38, 37), False)])
+def test_fewer_bits_give_a_lower_peak_only_where_the_peaks_fall(temps, falls):
+    r = _synthetic(_row("none-hg"), _row("int8-hg"), _row("int4-hg"), _row("int2-hg"),
+                   memory_at_scale=_at_scale(*temps))
+    out = _conclusions(r)
+    (line,) = [c for c in out if c.startswith("At scale, fewer bits per saved element")]
+    shown = (f"int8 act, f32 grad (hg) {temps[0] / 100:.2f}x, int4 act, f32 grad (hg) "
+             f"{temps[1] / 100:.2f}x, int2 act, f32 grad (hg) {temps[2] / 100:.2f}x")
+    assert shown in line
+    assert line.startswith("At scale, fewer bits per saved element give a lower peak") == falls
+    assert ("do not give a lower peak" in line) != falls
+    report = _markdown(r)
+    assert "dominate" not in report
+    table = report.split("## Memory at scale (compile-only)")[1]
+    assert "| bf16 jax.checkpoint scan (baseline) | 100.00 | 1.00 | — |" in table
+    assert f"| int8 act, f32 grad (hg) | {temps[0]:.2f} | {temps[0] / 100:.2f} | " \
+           f"{temps[0] / 53:.2f} |" in table
+
+
+def test_codec_share_bands_agree_with_the_measured_rows():
+    """The bands the report quotes (how much int8 took off codec none's peak, by the
+    checkpoints' share F) are those of the codec-share table it cites."""
+    import pathlib
+
+    from hifigrad.demo import report as R
+
+    root = pathlib.Path(__file__).parent.parent
+    data = json.loads((root / R.CODEC_SHARE_FILE).with_suffix(".json").read_text())
+    size = data["size"]
+    little, matters = [], []
+    for key, row in data["rows"].items():
+        layers, batch = int(key.split()[0]), int(key.split()[-1])
+        share = R.checkpoint_estimate(layers, batch, size["seq"], size["d"], size["heads"],
+                                      n_params=layers * 12 * size["d"] ** 2)["share"]
+        taken = 1 - row["cc int8"] / row["cc none"]
+        assert not R.SHARE_LITTLE <= share < R.SHARE_MATTERS, key  # the report: "none there"
+        (little if share < R.SHARE_LITTLE else matters).append(taken)
+    assert (round(min(little), 2), round(max(little), 2)) == R.CODEC_LITTLE
+    assert (round(min(matters), 2), round(max(matters), 2)) == R.CODEC_MATTERS
+
+
+@pytest.mark.parametrize("layers, batch, expect", [
+    (4, 8, "expect the sliced backward to be the saving and a codec's bits to add little"),
+    (12, 16, "no expectation either way"),
+    (48, 64, "expect the codec's bits to matter")])
+def test_report_estimates_the_codecs_share_for_the_model_it_ran(layers, batch, expect):
+    from hifigrad.demo.report import _mb, checkpoint_estimate, codec_share_conclusions, gpt_params
+
+    cfg = {"n_layers": layers, "batch_size": batch, "d_model": 256, "n_heads": 4,
+           "seq_len": 128}
+    model = {"n_layers": layers, "d_model": 256, "n_heads": 4, "seq_len": 128}
+    n = gpt_params(model)
+    r = _synthetic(_row("none-hg", temp_bytes=50 * MB), _row("int8-hg", temp_bytes=45 * MB),
+                   config=cfg, n_params=n)
+    (line,) = codec_share_conclusions(r)
+    est = checkpoint_estimate(layers, batch, 128, 256, 4, n)
+    assert f"are {est['share']:.2f} of the three" in line and expect in line
+    assert f"in bf16, {_mb(est['checkpoints'])} MB)" in line
+    assert "over codec none's (bf16 act, f32 grad (hg)): int8 act, f32 grad (hg) 0.90x" in line
+
+
+def test_gpt_params_counts_the_demo_models_parameters():
+    import dataclasses
+
+    from hifigrad.demo.model import ModelConfig, init_params, n_params
+    from hifigrad.demo.report import gpt_params
+
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16)
+    assert gpt_params(dataclasses.asdict(cfg)) == n_params(init_params(0, cfg))
+
+
+@pytest.mark.parametrize("with_seed", [True, False])
+def test_seed_label_is_explained_where_it_appears(with_seed):
+    rows = [_row("bf16")] + ([_row("fp8-seed")] if with_seed else [])
+    report = _markdown(_synthetic(*rows))
+    assert ("*(seed)*: the fp8 recipe hifigrad started from" in report) == with_seed
+    assert ("not the random seed" in report) == with_seed
+
+
+def test_step_times_inside_the_fastest_ones_spread_are_not_ranked():
+    r = _synthetic(_row("bf16", step_ms=30.0, step_ms_quartiles=[29.0, 31.5]),
+                   _row("bf16-hg", step_ms=31.0, step_ms_quartiles=[30.0, 32.0]),
+                   _row("int8-hg", step_ms=40.0, step_ms_quartiles=[39.0, 41.0]))
+    r["modes"][0]["step_ms"] = 35.0  # f32: outside the fastest one's spread
+    (line,) = [c for c in _conclusions(r) if c.startswith("Fastest step")]
+    assert line.startswith("Fastest step: bf16 jax.grad (30.0 ms; the middle half of its "
+                           "steps took 29.0 to 31.5 ms)")
+    assert "with bf16 hg exact (31.0 ms) inside that spread, not ranked against it" in line
+    assert "f32 reference" not in line
+    assert "int8 act, f32 grad (hg) (40.0 ms) inside" not in line
+    assert "slowest: int8 act, f32 grad (hg) (40.0 ms)" in line
+
+
+@pytest.mark.parametrize("hg, plain, verdict", [(26.0, 6.5, "higher"),
+                                                (26.0, 25.5, "within the noise threshold")])
+def test_length_sweep_comparisons_use_the_threshold(hg, plain, verdict):
+    sweep = {"lengths": [128, 2048], "batch_size": 4,
+             "sqnr_db": {"bf16": [30.0, plain], "bf16-hg": [33.0, hg]}}
+    out = _conclusions(_synthetic(_row("bf16"), _row("bf16-hg"), length_sweep=sweep))
+    (line,) = [c for c in out if c.startswith("At length 2048")]
+    assert line.endswith(f"({hg - plain:+.1f} dB, {verdict}).")

@@ -158,6 +158,64 @@ def test_each_block_runs_as_pasted_or_says_it_continues(page, i, skip, code):
         exec(compile(code, f"{page} [block {i}, alone]", "exec"), namespace)
 
 
+# The pages a newcomer reads first: a block there that continues another imports every module
+# it uses itself, and its first line names every other value it takes from the blocks above.
+_IMPORTS_IN_EACH_BLOCK = ["README.md", "docs/getting-started.md"]
+
+
+def _free_names(code: str) -> set[str]:
+    """Names ``code`` reads that it neither binds nor finds in builtins (its own functions'
+    parameters and locals are bound)."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(code, "<block>", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    read: set[str] = set()
+
+    def walk(table):
+        for s in table.get_symbols():
+            if s.is_referenced() and (table is top or s.is_global()):
+                read.add(s.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return read - bound - set(dir(builtins))
+
+
+def _imported_names(code: str) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("page", _IMPORTS_IN_EACH_BLOCK)
+def test_a_continuing_block_imports_what_it_uses_and_names_the_rest(page):
+    blocks = [code for skip, code in _BLOCK.findall((ROOT / page).read_text()) if not skip]
+    for i, code in enumerate(blocks):
+        first = code.splitlines()[0]
+        if not _CONTINUES.match(first):
+            continue
+        earlier = "\n".join(blocks[:i])
+        free = _free_names(code)
+        modules = free & _imported_names(earlier)
+        assert not modules, f"{page} [block {i}] uses {sorted(modules)} without importing them"
+        listed = set(re.findall(r"\w+", first.partition(":")[2]))
+        assert free <= listed, f"{page} [block {i}]: {first!r} does not name {free - listed}"
+
+
+def test_continuing_block_check_catches_a_missing_import():
+    code = "# (continues the block above: x)\ny = jnp.tanh(x)\ndef f(a):\n    return hg.grad(a)\n"
+    assert _free_names(code) == {"jnp", "x", "hg"}
+    assert _imported_names("import jax, jax.numpy as jnp\nimport hifigrad as hg") == {
+        "jax", "jnp", "hg"}
+
+
 def test_self_contained_pages_have_several_sections():
     for page in _SELF_CONTAINED:
         assert len(_section_blocks(page)) >= 5, page

@@ -82,9 +82,10 @@ MODES: tuple[Mode, ...] = (
     Mode("fp16-hg", "fp16 hg", jnp.float16, grad="hg", counterpart="fp16",
          description="fp16 forward; hifigrad backward in f32, no loss scaling."),
     Mode("fp8-seed", "fp8 act, fp8 grad (seed)", jnp.bfloat16, saved="fp8-seed",
-         description="bf16 blocks in a remat scan whose carries are fp8 e4m3 (delayed scaling); "
-                     "the seed issue's quantize/dequantize custom_vjp, whose backward casts the "
-                     "gradient to fp8 e4m3 too."),
+         description="bf16 blocks in a remat scan whose carries are fp8 e4m3 (delayed scaling), "
+                     "with the quantize/dequantize custom_vjp of the fp8 recipe hifigrad started "
+                     "from ('seed' in the label), whose backward casts the gradient to fp8 e4m3 "
+                     "too."),
     Mode("none-hg", "bf16 act, f32 grad (hg)", jnp.bfloat16, grad="hg", saved="none",
          counterpart="bf16",
          description="bf16 forward; hifigrad.scan saves each block's input as it is (codec "

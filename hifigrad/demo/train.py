@@ -9,7 +9,8 @@ For each mode it records:
   the float32 reference gradient ``jax.grad`` computes *at the same parameters on the same
   batch*, compared by SQNR = ``10 log10(|g_ref|^2 / |g - g_ref|^2)`` over all parameters;
 * the step time (median over the steps of the gradient plus the optimizer update, compiled
-  ahead of time) and the time to trace and compile the mode's gradient program;
+  ahead of time, and its quartiles: the step-to-step spread) and the time to trace and
+  compile the mode's gradient program;
 * memory: the bytes of the residuals one training step saves for its backward (the leaves of
   the mode's pullback, counted once each, leaving out the arguments it keeps a reference to),
   for the whole model and for the scan over blocks alone (beside an uncompressed bf16
@@ -557,6 +558,7 @@ def _train_mode(cfg, mode, vg, compile_s, update, state0, params0, opt_state0, t
         rep.mode_step(mode, i)
 
     val = float(np.mean([float(ref_vg(params, {}, b)[0]) for b in val_batches]))
+    timed = times[1:] if len(times) > 1 else times  # the first step's time includes warm-up
     finite_sqnr = [s for s in sqnr if s is not None and math.isfinite(s)]
     out = {
         "losses": [_finite_or_none(x) for x in losses],
@@ -565,7 +567,8 @@ def _train_mode(cfg, mode, vg, compile_s, update, state0, params0, opt_state0, t
         "sqnr_step0_db": _finite_or_none(sqnr[0]),
         "sqnr_mean_db": _finite_or_none(statistics.fmean(finite_sqnr)) if finite_sqnr else None,
         "lost_grad_frac_step0": zero_frac[0],
-        "step_ms": 1e3 * statistics.median(times[1:] if len(times) > 1 else times),
+        "step_ms": 1e3 * statistics.median(timed),
+        "step_ms_quartiles": [1e3 * float(q) for q in np.percentile(timed, [25, 75])],
         "compile_s": compile_s,
         "temp_bytes": temp_bytes,
         "skipped_steps": skipped,
