@@ -39,7 +39,7 @@ QUICK ?= tests/test_api.py tests/test_checkpoint.py tests/test_compress.py tests
 TPU_CHOICES ?= tests/test_checkpoint.py tests/test_compress.py tests/test_separable.py \
 	tests/test_resize.py tests/test_primitives.py tests/test_policy.py
 
-.PHONY: demo test test-quick test-subset test-slow test-tpu-choices bench lint venv pins clean
+.PHONY: demo test test-quick test-subset test-slow test-all test-tpu-choices bench lint venv pins clean
 
 venv: $(STAMP)
 
@@ -76,8 +76,17 @@ test-subset: $(STAMP)
 test-tpu-choices: $(STAMP)
 	HIFIGRAD_PLATFORM=tpu $(VENV)/bin/python -m pytest $(TPU_CHOICES) -k "not eager" $(PYTEST_ARGS)
 
+# The second tier (`slow`: what was moved out of the default suite for its time, eager runs of
+# cases whose jitted runs are in it, the fuzzers' next seeds, the benchmark scripts' tables):
+# CI runs all of it on one lane each run. `make test` then `make test-slow` is everything CI runs
+# on a release.
 test-slow: $(STAMP)
-	$(VENV)/bin/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m slow $(PYTEST_ARGS)
+
+# Everything: the default suite, the `slow` tier and the exhaustive `sweep`s (every program of the
+# corpus under every policy, dtype and eager/jit, the long fuzzers when HIFIGRAD_FUZZ_EXAMPLES=N).
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "slow or sweep or not (slow or sweep)" $(PYTEST_ARGS)
 
 # Regenerates ci/jax-$(JAX).txt from a fresh, unpinned environment with that JAX release.
 pins:

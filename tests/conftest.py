@@ -43,8 +43,54 @@ def _chunk(spec: str) -> tuple[int, int]:
     return i, n
 
 
-@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
+def _is_eager(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and (callspec.params.get("maybe_jit") is False
+                                     or callspec.params.get("jit") is False)
+
+
+# Modules whose eager cases (`maybe_jit`'s eager variant, or a ``jit=False`` parameter) run one in
+# `n` in the default suite, taken in turn along the module in collection order; the others are
+# marked `slow` (CI's slow lane runs them on every run). Every jitted case stays. The eager path
+# differs from the jitted one only in running the same traced backward op by op (hifigrad traces
+# one backward program either way: `api._backward`), and these modules' eager cases were a large
+# part of their time (measured with --durations: test_checkpoint 120 of 255 s, test_compress 71
+# of 180 s on jax 0.10.2, 2 cores).
+_EAGER_IN_TURN_MODULES = {"test_checkpoint": 3, "test_compress": 3, "test_attention": 3,
+                          "test_codecs": 2, "test_api": 2, "test_coefficients": 2}
+
+
+def _eager_in_turn(items):
+    """``@pytest.mark.eager_in_turn(n)``: of a parametrized test's eager cases, in collection
+    order, the first of every `n` stays in the default suite and the others are marked `slow`;
+    every jitted case stays. For tests whose cases differ in what is traced (a codec, a block, a
+    wrapper) while the eager path they add over the jitted run (the backward evaluated op by op)
+    is the same. `_EAGER_IN_TURN_MODULES` does the same along a whole module."""
+    seen: dict = {}
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        mark = item.get_closest_marker("eager_in_turn")
+        if not _is_eager(item) or (mark is None and module not in _EAGER_IN_TURN_MODULES):
+            continue
+        if mark is not None:
+            key, n = (module, item.originalname), int(mark.args[0])
+        else:
+            key, n = module, _EAGER_IN_TURN_MODULES[module]
+        i = seen[key] = seen.get(key, -1) + 1
+        if i % n:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """Marks the eager cases `_eager_in_turn` moves to the `slow` tier before `-m` selects, then
+    keeps the ``HIFIGRAD_TEST_CHUNK`` chunk (`_keep_chunk`) of what `-m` / `-k` selected."""
+    _eager_in_turn(items)
+    yield
+    _keep_chunk(config, items)
+
+
+def _keep_chunk(config, items):
     """``HIFIGRAD_TEST_CHUNK=i/n`` keeps the i-th of n contiguous slices of the selected tests
     (in collection order, so a module's fixtures stay within few chunks): `make tpu-check` runs
     the suite on a TPU in calls of limited length, one chunk per call. Every test is in exactly

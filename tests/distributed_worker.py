@@ -2,14 +2,17 @@
 
 Usage:
   python tests/distributed_worker.py CASE                 # 8 simulated CPU devices
+  python tests/distributed_worker.py all                  # every CASE in one process, each
+                                                          # reported on its own (the tests)
   python tests/distributed_worker.py mp PORT PROC_ID OUT  # one of 2 processes on 127.0.0.1
   python tests/distributed_worker.py mp_ref OUT           # the single-process reference run
                                                           # (2 simulated devices, one process)
 
 The simulated device count (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) must be set
-before JAX initialises, which is why each case runs here and not in the pytest process. Each case
-prints one JSON line ``RESULT {...}`` on stdout (arrays as nested lists / floats), which the test
-compares; a failed check raises, so the process exits non-zero with a traceback.
+before JAX initialises, which is why the cases run here and not in the pytest process. A run
+prints one JSON line ``RESULT {...}`` on stdout (arrays as nested lists / floats), which the tests
+compare: one case's findings (a failed check raises, so the process exits non-zero with a
+traceback), or for ``all`` each case's findings or its traceback under the case's name.
 """
 
 from __future__ import annotations
@@ -626,12 +629,26 @@ def main():
     if case == "mp_ref":
         return main_mp_ref(sys.argv[2])
     assert len(jax.devices()) == 8, jax.devices()
-    names = list(CASES) if case == "all" else case.split(",")
-    report = {}
-    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
-        for name in names:
-            CASES[name](report)
-    print("RESULT " + json.dumps(report), flush=True)
+    if case != "all" and "," not in case:  # one case: its findings, or a traceback and exit 1
+        report = {}
+        with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+            CASES[case](report)
+        print("RESULT " + json.dumps(report), flush=True)
+        return
+    # Several cases in this one process (what the tests run: one start-up of JAX for all of
+    # them): {case: its findings} or {case: {"error": its traceback}}, each case on its own.
+    import traceback
+
+    reports = {}
+    for name in list(CASES) if case == "all" else case.split(","):
+        report = {}
+        try:
+            with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+                CASES[name](report)
+        except Exception:  # noqa: BLE001 - reported for the case's own test to fail on
+            report = {"error": traceback.format_exc()}
+        reports[name] = report
+    print("RESULT " + json.dumps(reports), flush=True)
 
 
 if __name__ == "__main__":

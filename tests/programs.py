@@ -834,6 +834,25 @@ def _(x):
     return jnp.ldexp(x, 2) + m * x + e.astype(x.dtype)
 
 
+# Elementwise primitives jax 0.12.1 added to lax (present where the installed JAX has them: the
+# census names any differentiable primitive no program reaches).
+if hasattr(lax, "acospi"):
+    @op("lax_pi_trigonometry", (3, 4), (3, 4), scale=0.3)
+    def _(x, y):
+        return (lax.acospi(x) + lax.asinpi(x) + lax.atanpi(y) + lax.tanpi(0.5 * x)
+                + lax.atan2pi(x, y + 2.0))
+
+if hasattr(lax, "exp2m1"):
+    @op("lax_exp2m1_log2p1", (3, 4), scale=0.5)
+    def _(x):
+        return lax.exp2m1(x) + lax.log2p1(x * x)
+
+if hasattr(lax, "fma"):
+    @op("lax_fma_fmuladd", (3, 4), (3, 4), (3, 4))
+    def _(x, y, z):
+        return lax.fma(x, y, z) + lax.fmuladd(y, z, x)
+
+
 @op("jnp_nextafter_copysign", (3, 4))
 def _(x):
     # jax 0.10 has no JVP for nextafter (differentiating through it raises in jax.grad too).

@@ -526,7 +526,7 @@ def test_float0_leaves_are_passed_through_vjp(maybe_jit):
 # Every non-default Policy over the program corpus (tests/programs.py), as the default policy
 # runs it in test_rules: float32 gradients of bf16 programs that point where jax.grad's float32
 # ones do, float32 programs equal to jax.grad's, and second derivatives. The whole sweep is
-# `slow`; FAST_PROGRAMS (a matmul MLP, a scanned RNN, a user custom_vjp, integer_pow / div /
+# marked `sweep` (`make test-all`); FAST_PROGRAMS (a matmul MLP, a scanned RNN, a user custom_vjp, integer_pow / div /
 # rsqrt) runs by default, jitted (so CI's jitted subset runs it on every release).
 
 from programs import ALL as _ALL_PROGRAMS  # noqa: E402
@@ -604,7 +604,7 @@ def test_policy_over_programs_bf16_jit(policy_id, name):
     _check_low_precision(name, policy_id, jnp.bfloat16)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", _ALL_PROGRAMS)
 @pytest.mark.parametrize("policy_id", sorted(POLICIES))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
@@ -612,7 +612,7 @@ def test_policy_over_all_programs_low_precision_jit(policy_id, name, dtype):
     _check_low_precision(name, policy_id, dtype)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", [n for n in _ALL_PROGRAMS if n != "mixed_precision_casts"])
 @pytest.mark.parametrize("policy_id", sorted(POLICIES))
 def test_policy_over_all_programs_f32_jit(policy_id, name):
@@ -667,7 +667,7 @@ def test_policy_second_order_jit(policy_id, name):
     _check_second_order(name, policy_id)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", [_second_order_param(n) for n in _ALL_PROGRAMS
                                   if n != "mixed_precision_casts"])
 @pytest.mark.parametrize("policy_id", sorted(POLICIES))

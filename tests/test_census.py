@@ -25,7 +25,7 @@
    `programs.TOLERANCE_FACTOR`. Known failures are listed in one place, `programs.XFAIL`
    (strict: a program that starts passing fails until its mark is dropped). The default run
    checks one combination per program (jitted; bf16 and fp16 alternate along the table); all four
-   run with ``-m slow``. Both gradients are taken in `platforms.highest_precision()`: the bound
+   run in the `sweep` tier (``make test-all``). Both gradients are taken in `platforms.highest_precision()`: the bound
    is the forward's rounding, and on an NVIDIA GPU a default-precision float32 matmul is TF32
    (10 mantissa bits, as coarse as fp16's), an error in the reference and in hg.grad's exact
    float32 matmuls that the bound does not budget (on CPU the context changes nothing). On a GPU
@@ -97,10 +97,12 @@ NOT_COVERED = {
     "and": _INTEGER, "or": _INTEGER, "not": _INTEGER, "xor": _INTEGER,
     "shift_left": _INTEGER, "shift_right_arithmetic": _INTEGER,
     "shift_right_logical": _INTEGER, "mulhi": _INTEGER, "reduce_or": _INTEGER,
+    "random_poisson": ("jax 0.12.1: jax.random.poisson's sampler; its samples are integers (no "
+                       "cotangent)"),
     "eq_to": ("total-order equality used inside JAX's sort comparators and searchsorted; "
               "no program here reaches it on a float value"),
     # PRNG keys
-    "random_bits": _KEYS, "random_fold_in": _KEYS, "random_seed": _KEYS, "random_split": _KEYS,
+    "random_bits": _KEYS, "raw_bits": _KEYS, "random_fold_in": _KEYS, "random_seed": _KEYS, "random_split": _KEYS,
     "random_unwrap": _KEYS, "random_wrap": _KEYS,
     "from_edtype": "extended-dtype (PRNG key) representation change; integer-valued",
     "to_edtype": "extended-dtype (PRNG key) representation change; integer-valued",
@@ -349,7 +351,7 @@ def _params():
     """Every (program, dtype, eager/jit). The default run checks each program once, jitted, in
     bf16 or fp16 (alternating along the table, so both dtypes run on half the programs); the
     three other combinations of each program, and all four of the few `programs.HEAVY` ones, are
-    marked slow (`pytest -m slow`)."""
+    marked `sweep` (`make test-all`)."""
     out = []
     for i, name in enumerate(API):
         default = ("bf16", "fp16")[i % 2]
@@ -358,7 +360,7 @@ def _params():
                 reason = xfail_reason(name, VERSION, dname, jit)
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 if not (jit and dname == default) or name in HEAVY:
-                    marks.append(pytest.mark.slow)
+                    marks.append(pytest.mark.sweep)
                 out.append(pytest.param(name, dname, jit, marks=marks,
                                         id=f"{name}-{dname}-{'jit' if jit else 'eager'}"))
     return out

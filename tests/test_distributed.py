@@ -1,10 +1,12 @@
 """hifigrad on sharded and multi-process JAX (issue 5).
 
-Each case runs `tests/distributed_worker.py` in a process of its own: the simulated device count
-(``--xla_force_host_platform_device_count``) and `jax.distributed` must be set up before JAX
-initialises, and the pytest process has already initialised it. The worker does the checks
-(gradients equal to one device's, shardings kept, HLO reduction dtypes) and prints its findings
-as one ``RESULT {json}`` line; the tests re-check the key facts from that JSON.
+The cases run in `tests/distributed_worker.py`, in processes of their own: the simulated device
+count (``--xla_force_host_platform_device_count``) and `jax.distributed` must be set up before
+JAX initialises, and the pytest process has already initialised it. The 8-device cases share one
+worker process (each case reported on its own); the multi-process test starts three. The worker
+does the checks (gradients equal to one device's, shardings kept, HLO reduction dtypes) and
+prints its findings as one ``RESULT {json}`` line; the tests re-check the key facts from that
+JSON.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def _result(stdout: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _run(*args) -> dict:
+def _run(*args, timeout=TIMEOUT_S) -> dict:
     proc = subprocess.run([sys.executable, WORKER, *args], env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return _result(proc.stdout)
 
@@ -57,18 +59,31 @@ def _specs_kept(report, prefix):
                 want.replace(", None", "").replace(",)", ")"), (got, want)
 
 
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    """Every 8-device case of the worker, run in one process (one start-up of JAX and
+    hifigrad, not one per case): {case: its findings, or {"error": its traceback}}."""
+    return _run("all", timeout=4 * TIMEOUT_S)
+
+
+def _case(reports, case) -> dict:
+    report = reports[case]
+    assert "error" not in report, report["error"]
+    return report
+
+
 @pytest.mark.parametrize("case", ["data_parallel", "fsdp", "tensor_parallel", "shard_map",
                                   "explicit_auto_axes", "checkpoint_in_shard_map",
                                   "optimizer_state"])
-def test_sharded_gradients_match_one_device(case):
-    report = _run(case)
+def test_sharded_gradients_match_one_device(reports, case):
+    report = _case(reports, case)
     errs = {k: v for k, v in report.items() if k.endswith("_max_err_over_tol")}
     assert errs and all(v <= 1.0 for v in errs.values()), errs
     _specs_kept(report, "")
 
 
-def test_data_parallel_gradient_all_reduce_is_float32():
-    hlo = _run("hlo")["hlo"]
+def test_data_parallel_gradient_all_reduce_is_float32(reports):
+    hlo = _case(reports, "hlo")["hlo"]
     hg_, jx = hlo["hifigrad"], hlo["jax"]
     assert hg_["after_spmd_partitioning"] and hg_["final"]
     assert hg_["after_spmd_partitioning_types"] == ["f32"], hg_

@@ -2,9 +2,11 @@
 
 - Every ``>>>`` example in the package's docstrings runs (doctest, outputs checked where shown,
   ``ELLIPSIS | NORMALIZE_WHITESPACE``), one case per docstring.
-- Every ```python block of the site's pages (``docs/**/*.md``) runs, the blocks of a page in one
-  namespace, as a reader runs them. A block preceded by an ``<!-- no-run: reason -->`` comment is
-  skipped; ``docs/guides/frameworks.md`` has its own test (``tests/test_frameworks.py``).
+- Every ```python block of the site's pages (``docs/**/*.md``) runs: on the pages a reader starts
+  from, each block alone in a fresh namespace unless it says which blocks it continues (then
+  after them), as a reader pastes them; on the others the blocks of a page in one namespace. A
+  block preceded by an ``<!-- no-run: reason -->`` comment is skipped;
+  ``docs/guides/frameworks.md`` has its own test (``tests/test_frameworks.py``).
 - The API reference (``docs/api/*.md``) documents every public name, and every public function
   and class has a runnable example.
 - The supported-releases tables (README and site) list the tested JAX releases.
@@ -91,17 +93,17 @@ def _needs(blocks) -> None:
             pytest.importorskip(mod)
 
 
-@pytest.mark.parametrize("page", [p for p in _pages() if _blocks(p)])
-def test_page_code_blocks_run(page):
-    _needs(_blocks(page))
-    namespace: dict = {"__name__": "__docs__"}
-    for i, block in enumerate(_blocks(page)):
-        exec(compile(block, f"docs/{page} [block {i}]", "exec"), namespace)
-
-
 # Pages whose every section (the text before the first `## ` heading, then each `## ` section)
 # runs on its own, in a fresh namespace: a reader who jumps to a section can copy its code.
 _SELF_CONTAINED = ["guides/checkpoints.md"]
+
+# A reader pastes one block at a time: each block of the pages a reader starts from runs on its
+# own, in a fresh namespace, with JAX's default dtype promotion, unless its first line says
+# which block it continues; a block the tests skip says so in its first line, where a reader
+# sees it (not only in the HTML comment that marks it).
+_READER_PAGES = ["README.md", "docs/getting-started.md",
+                 *sorted(f"docs/guides/{p.name}" for p in (DOCS / "guides").glob("*.md"))]
+_CONTINUES = re.compile(r"^# \(continues the blocks? above")
 
 
 def _section_blocks(page: str) -> list[tuple[str, list[str]]]:
@@ -115,23 +117,47 @@ def _section_blocks(page: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-@pytest.mark.parametrize("page, section", [
-    (page, title) for page in _SELF_CONTAINED for title, _ in _section_blocks(page)])
-def test_each_section_runs_on_its_own(page, section):
-    blocks = dict(_section_blocks(page))[section]
-    _needs(blocks)
-    namespace: dict = {"__name__": "__docs__"}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/{page} [{section}, block {i}]", "exec"), namespace)
+def _chains(page: str) -> list[list[tuple[str, str]]]:
+    """A reader page's runnable blocks as a reader pastes them, as [(where, code), ...] runs:
+    a block that does not say it continues the blocks above starts a run of its own, a block
+    that says so joins the run of the blocks it continues; on a `_SELF_CONTAINED` page each
+    section starts afresh too."""
+    sections = (_section_blocks(page) if page in _SELF_CONTAINED
+                else [("", _blocks(page))])
+    chains: list = []
+    for title, blocks in sections:
+        fresh = True
+        for i, code in enumerate(blocks):
+            where = f"docs/{page} [{title + ', ' if title else ''}block {i}]"
+            if fresh or not _CONTINUES.match(code.splitlines()[0]):
+                chains.append([])
+            chains[-1].append((where, code))
+            fresh = False
+    return chains
 
 
-# A reader pastes one block at a time: each block of the pages a reader starts from runs on its
-# own, in a fresh namespace, with JAX's default dtype promotion, unless its first line says
-# which block it continues; a block the tests skip says so in its first line, where a reader
-# sees it (not only in the HTML comment that marks it).
-_READER_PAGES = ["README.md", "docs/getting-started.md",
-                 *sorted(f"docs/guides/{p.name}" for p in (DOCS / "guides").glob("*.md"))]
-_CONTINUES = re.compile(r"^# \(continues the blocks? above")
+def _run_chained(page: str) -> bool:
+    """Whether `page`'s blocks run as `_chains` (a reader page of the site, under the suite's
+    strict promotion), rather than all in one namespace."""
+    return f"docs/{page}" in _READER_PAGES
+
+
+@pytest.mark.parametrize("page", [p for p in _pages() if _blocks(p)])
+def test_page_code_blocks_run(page):
+    """Every runnable block of the page, under the suite's strict dtype promotion: a reader
+    page's as `_chains` (each block that does not continue another in a fresh namespace, so
+    the block runs alone as a reader pastes it: what passes under strict promotion passes under
+    JAX's default one too), the other pages' in one namespace."""
+    _needs(_blocks(page))
+    if not _run_chained(page):
+        namespace: dict = {"__name__": "__docs__"}
+        for i, block in enumerate(_blocks(page)):
+            exec(compile(block, f"docs/{page} [block {i}]", "exec"), namespace)
+        return
+    for chain in _chains(page):
+        namespace = {"__name__": "__docs__"}
+        for where, block in chain:
+            exec(compile(block, where, "exec"), namespace)
 
 
 def _reader_blocks():
@@ -152,6 +178,8 @@ def test_each_block_runs_as_pasted_or_says_it_continues(page, i, skip, code):
     if _CONTINUES.match(first):
         assert i > 0, (page, i)
         return  # runs after the blocks it continues (test_page_code_blocks_run)
+    if page.startswith("docs/") and page[len("docs/"):] in _pages():
+        return  # runs alone, strictly, in test_page_code_blocks_run (`_chains`)
     _needs([code])
     namespace: dict = {"__name__": "__docs__"}
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
@@ -322,7 +350,7 @@ def test_python_versions_agree_between_ci_classifiers_and_release_tables():
     import tomllib
 
     ci = (ROOT / ".ci" / "run").read_text()
-    lanes = set(re.findall(r"PYTHON=\$PY3(\d\d)", ci))
+    lanes = set(re.findall(r"\|\$PY3(\d\d)\|", ci))
     tested = {f"3.{v}" for v in lanes}
     classifiers = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["classifiers"]
     declared = {c.rsplit(" :: ", 1)[1] for c in classifiers

@@ -22,7 +22,9 @@ TINY = ["--small", "--blocks", "1", "--d", "32", "--heads", "2", "--vocab", "64"
 
 
 # One row of each kind (the reference always runs): about 10 compiles, within a minute on 2 CPU
-# cores; test_all_rows (slow) runs every row.
+# cores; test_all_rows runs every row. The tests of the tables are `slow`, run by CI's slow lane
+# on every run: they check the benchmark script's bookkeeping (its rows, tables and error
+# reports), not hifigrad on a JAX release, which every lane's own tests do.
 ROWS = ["jax.grad bf16", "hg.grad bf16 default", "hg.grad bf16 exact", "hg.grad bf16 fast",
         "jax.grad hg.scan int4", "jax.grad hg.scan residuals fp8_e4m3",
         "hg.grad hg.scan fp8_e4m3", "jax.grad bf16 cudnn attention",
@@ -66,6 +68,7 @@ def tables(tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 def test_tables_written_and_every_row_accounted_for(tables, model):
     out, summary = tables
@@ -94,6 +97,7 @@ def test_tables_written_and_every_row_accounted_for(tables, model):
         assert data["env"][field]
 
 
+@pytest.mark.slow
 def test_expected_rows_ran(tables):
     _, summary = tables
     gpt, mlp = summary["gpt"], summary["mlp"]
@@ -112,6 +116,7 @@ def test_expected_rows_ran(tables):
         assert gpt["hg.grad bf16 cudnn attention"] == "skipped: cuDNN needs a CUDA GPU"
 
 
+@pytest.mark.slow
 def test_sqnr_and_ratio_columns(tables):
     out, _ = tables
     data = json.loads((out / "mlp_test.json").read_text())
@@ -121,6 +126,7 @@ def test_sqnr_and_ratio_columns(tables):
     assert isinstance(s, float) and math.isfinite(s) and s > 10
 
 
+@pytest.mark.slow
 def test_failing_rows_report_their_error(tables):
     _, summary = tables
     assert summary["mlp"]["broken build"] == "build error: RuntimeError: cannot build this row"

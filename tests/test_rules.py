@@ -50,14 +50,36 @@ def test_table_is_large_enough():
 _INTERNAL_LOW_PRECISION = {"mixed_precision_casts"}
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n not in _INTERNAL_LOW_PRECISION])
-def test_f32_equals_jax_grad(name, maybe_jit):
+# Each program runs jitted in float32, bf16 and fp16, and eagerly in one of the three, taken in
+# turn along the table (the other eager runs are `slow`). The rules a program runs are traced
+# the same way eagerly and under jit (an eager backward program is traced once, then evaluated
+# op by op: `api._backward`), so eagerly in another dtype differs from jitted in that dtype
+# only by evaluating JAX's own ops one at a time.
+_EAGER_DTYPE = {name: "bf16" if name in _INTERNAL_LOW_PRECISION else ("f32", "bf16", "fp16")[i % 3]
+                for i, name in enumerate(ALL)}
+# The jitted float32 gradients (hg.grad's, jax.grad's) test_f32_equals_jax_grad computed, by
+# program: test_report_bitwise_equal_count counts on them instead of compiling both again.
+_F32_JIT: dict = {}
+
+
+def _jit_params(names, dname):
+    return [pytest.param(name, jit, id=f"{'jit' if jit else 'eager'}-{name}",
+                         marks=[] if jit or _EAGER_DTYPE[name] == dname else [pytest.mark.slow])
+            for name in names for jit in (False, True)]
+
+
+@pytest.mark.parametrize(("name", "jit"), _jit_params(
+    [n for n in ALL if n not in _INTERNAL_LOW_PRECISION], "f32"))
+def test_f32_equals_jax_grad(name, jit):
     fun, make = PROGRAMS[name]
     args = make(jnp.float32)
     nums = _argnums(args)
+    maybe_jit = jax.jit if jit else (lambda f: f)
     with highest_precision():  # f32 vs f32 to 1e-6: no TF32 (module docstring)
         got = maybe_jit(hg.grad(fun, argnums=nums))(*args)
         want = maybe_jit(jax.grad(fun, argnums=nums))(*args)
+    if jit:
+        _F32_JIT[name] = (got, want)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         assert g.dtype == w.dtype
@@ -66,15 +88,19 @@ def test_f32_equals_jax_grad(name, maybe_jit):
 
 
 def test_report_bitwise_equal_count(capsys):
-    """Reports how many of the table's programs give bitwise-equal gradients (jit)."""
+    """Reports how many of the table's programs give bitwise-equal gradients (jit): those
+    test_f32_equals_jax_grad computed, the others (not selected, or failed) computed here."""
     equal = 0
     names = [n for n in ALL if n not in _INTERNAL_LOW_PRECISION]
     for name in names:
-        fun, make = PROGRAMS[name]
-        args = make(jnp.float32)
-        nums = _argnums(args)
-        got = jax.jit(hg.grad(fun, argnums=nums))(*args)
-        want = jax.jit(jax.grad(fun, argnums=nums))(*args)
+        if name in _F32_JIT:
+            got, want = _F32_JIT[name]
+        else:
+            fun, make = PROGRAMS[name]
+            args = make(jnp.float32)
+            nums = _argnums(args)
+            got = jax.jit(hg.grad(fun, argnums=nums))(*args)
+            want = jax.jit(jax.grad(fun, argnums=nums))(*args)
         equal += all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                      zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
     with capsys.disabled():
@@ -82,15 +108,39 @@ def test_report_bitwise_equal_count(capsys):
     assert equal >= len(names) // 2
 
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
-def test_low_precision_runs_every_rule(name, dtype, maybe_jit):
+def _low_precision_params():
+    """Every program in bf16 and fp16, jitted; eagerly in its `_EAGER_DTYPE` only (the other
+    eager runs `slow`)."""
+    out = []
+    for name in ALL:
+        for dname, dtype in (("bf16", jnp.bfloat16), ("fp16", jnp.float16)):
+            for jit in (False, True):
+                marks = [] if jit or _EAGER_DTYPE[name] == dname else [pytest.mark.slow]
+                out.append(pytest.param(name, dtype, jit, marks=marks,
+                                        id=f"{'jit' if jit else 'eager'}-{dname}-{name}"))
+    return out
+
+
+_REF_F32: dict = {}
+
+
+def _f32_reference(name):
+    """jax.grad of the float32 program (eager, as the test computed it before), shared by the
+    program's four low-precision runs."""
+    if name not in _REF_F32:
+        fun, make = PROGRAMS[name]
+        ref_args = make(jnp.float32)
+        _REF_F32[name] = jax.grad(fun, argnums=_argnums(ref_args))(*ref_args)
+    return _REF_F32[name]
+
+
+@pytest.mark.parametrize(("name", "dtype", "jit"), _low_precision_params())
+def test_low_precision_runs_every_rule(name, dtype, jit):
     fun, make = PROGRAMS[name]
     args = make(dtype)
     nums = _argnums(args)
-    got = maybe_jit(hg.grad(fun, argnums=nums))(*args)
-    ref_args = make(jnp.float32)
-    want = jax.grad(fun, argnums=nums)(*ref_args)
+    got = (jax.jit if jit else (lambda f: f))(hg.grad(fun, argnums=nums))(*args)
+    want = _f32_reference(name)
     for g in jax.tree_util.tree_leaves(got):
         assert g.dtype == jnp.float32
         assert np.all(np.isfinite(np.asarray(g)))

@@ -497,9 +497,35 @@ def _assert_close(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.max(np.abs(b)))
 
 
-@pytest.mark.parametrize("wrapper", ["checkpoint", "scan", "compress_checkpoints"])
-@pytest.mark.parametrize("name", list(_blocks()))
-def test_sliced_backward_is_never_wrong(name, wrapper, maybe_jit):
+def _eager_rotated(names, wrappers, skip=()):
+    """(name, wrapper, jit) for every block under every wrapper, jitted; and eagerly under one
+    wrapper per block, taking the wrappers in turn along the blocks (each wrapper runs some
+    blocks eagerly), the other eager runs `slow`. The slicing decision and the sliced
+    backward's program are made from the block's jaxpr, traced the same way whether the
+    gradient is then jitted or run eagerly; what eager adds is running that backward one
+    operation at a time (and the eager form of the slice check, its error raised directly),
+    which one wrapper per block exercises."""
+    out, turn = [], 0
+    for name in names:
+        kept = [w for w in wrappers if (name, w) not in skip]
+        eager = kept[turn % len(kept)]
+        turn += 1
+        for wrapper in wrappers:
+            for jit in (False, True):
+                marks = [] if jit or wrapper == eager else [pytest.mark.slow]
+                out.append(pytest.param(name, wrapper, jit, marks=marks,
+                                        id=f"{'jit' if jit else 'eager'}-{name}-{wrapper}"))
+    return out
+
+
+def _jit_or_not(jit):
+    return jax.jit if jit else (lambda f: f)
+
+
+@pytest.mark.parametrize(("name", "wrapper", "jit"), _eager_rotated(
+    list(_blocks()), ["checkpoint", "scan", "compress_checkpoints"],
+    skip={(n, "scan") for n in _blocks() if "int32" in n}))
+def test_sliced_backward_is_never_wrong(name, wrapper, jit):
     """Blocks whose backward mixes rows (through a custom rule, a value of the batch's shape
     reduced across it, an integer cast of a sum) run their backward at once; the others run
     in slices. Either way the gradients are plain `jax.grad`'s. All three entry points read
@@ -521,21 +547,21 @@ def test_sliced_backward_is_never_wrong(name, wrapper, maybe_jit):
     report = hg.slice_report(jax.grad(loss), ws, x)
     assert report and all(r.startswith("sliced") == separable_ for r in report), report
     with highest_precision():
-        g = maybe_jit(jax.grad(loss, argnums=(0, 1)))(ws, x)
+        g = _jit_or_not(jit)(jax.grad(loss, argnums=(0, 1)))(ws, x)
         want = jax.grad(ref, argnums=(0, 1))(ws, x)
     _assert_close(g, want)
 
 
-@pytest.mark.parametrize("wrapper", ["checkpoint", "compress_checkpoints"])
-@pytest.mark.parametrize("name", list(_merged_blocks()))
-def test_merged_outputs_slice_along_their_rows(name, wrapper, maybe_jit):
+@pytest.mark.parametrize(("name", "wrapper", "jit"), _eager_rotated(
+    list(_merged_blocks()), ["checkpoint", "compress_checkpoints"]))
+def test_merged_outputs_slice_along_their_rows(name, wrapper, jit):
     block = _merged_blocks()[name]
     ws, x = _inputs()
     losses, ref = _wrappers(block)
     loss = losses[wrapper]
     assert hg.slice_report(jax.grad(loss), ws, x) == ["sliced: 4 slices of 4 batch rows"]
     with highest_precision():
-        g = maybe_jit(jax.grad(loss, argnums=(0, 1)))(ws, x)
+        g = _jit_or_not(jit)(jax.grad(loss, argnums=(0, 1)))(ws, x)
         want = jax.grad(ref, argnums=(0, 1))(ws, x)
     _assert_close(g, want)
 
@@ -631,12 +657,14 @@ def test_outputs_independent_of_the_batch_take_their_cotangent_once(maybe_jit):
 # ------------------------------------------------------------------ the fuzzer
 # Random blocks (`fuzz_blocks.py`): every one either is not sliced or has a sliced backward
 # equal to `jax.vjp`'s (`fuzz_blocks.check`), and every block made of row-wise operations
-# only is sliced. The default run checks DEFAULT_PROGRAMS fixed programs (about 80 s on 2
-# cores), a set of its own for each JAX release and Python (the seed is theirs: CI's four full
-# lanes check 1,600 different programs, each lane reproducibly; HIFIGRAD_FUZZ_SEED=S picks
-# another set); ``HIFIGRAD_FUZZ_EXAMPLES=N`` runs N random ones in the `slow` version.
+# only is sliced. The default run checks the first DEFAULT_PROGRAMS of a fixed sequence of
+# programs (about 40 s on 2 cores), a sequence of its own for each JAX release and Python (the
+# seed is theirs: each CI lane checks other programs, reproducibly; HIFIGRAD_FUZZ_SEED=S picks
+# another sequence); the `slow` tier checks the next DEFAULT_PROGRAMS of the same sequence (so
+# the lane that runs it checks the 400 the default run checked before the tiers), and
+# ``HIFIGRAD_FUZZ_EXAMPLES=N`` runs N random ones in the `sweep` long version.
 
-DEFAULT_PROGRAMS = 400
+DEFAULT_PROGRAMS = 200
 DEFAULT_SEED = int(os.environ.get("HIFIGRAD_FUZZ_SEED") or zlib.crc32(
     f"jax {jax.__version__} python {sys.version_info[0]}.{sys.version_info[1]}".encode()))
 LONG_PROGRAMS = int(os.environ.get("HIFIGRAD_FUZZ_EXAMPLES", "0") or 0)
@@ -649,14 +677,17 @@ def _program(rng):
     return ops, str(rng.choice(layouts)), int(rng.choice([2, 4, 8]))
 
 
-def _fuzz(n, seed, monkeypatch):
+def _fuzz(n, seed, monkeypatch, start=0):
+    """Programs ``start`` to ``start + n - 1`` of the sequence `seed` draws."""
     from hifigrad._src import checkpoint as ck
 
     monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)  # the fuzzed blocks are small
     rng = np.random.default_rng(seed)
     sliced = 0
-    for i in range(n):
+    for i in range(start + n):
         ops, layout, k = _program(rng)
+        if i < start:
+            continue
         try:
             # float32 matmuls (a TPU's default is one bf16 pass, rounded otherwise at another
             # batch size: an RNN over 8 steps was off by 7e-4 there, a precision artifact)
@@ -682,6 +713,13 @@ def test_fuzzed_blocks_are_sliced_only_where_exact(monkeypatch):
 
 
 @pytest.mark.slow
+def test_fuzzed_blocks_next_in_sequence(monkeypatch):
+    """The next DEFAULT_PROGRAMS programs of DEFAULT_SEED's sequence (the slow tier)."""
+    sliced = _fuzz(DEFAULT_PROGRAMS, DEFAULT_SEED, monkeypatch, start=DEFAULT_PROGRAMS)
+    assert sliced >= DEFAULT_PROGRAMS // 4, sliced
+
+
+@pytest.mark.sweep
 @pytest.mark.skipif(not LONG_PROGRAMS, reason="set HIFIGRAD_FUZZ_EXAMPLES=N")
 def test_fuzzed_blocks_long(monkeypatch):
     _fuzz(LONG_PROGRAMS, int.from_bytes(os.urandom(4), "little"), monkeypatch)
@@ -690,22 +728,26 @@ def test_fuzzed_blocks_long(monkeypatch):
 # The compiled property (`fuzz_blocks.check_compiled`) on blocks of the chooser family, at
 # shapes where XLA:CPU vectorizes differently: with the pin off (`pinned_choosers` the
 # identity) about 3 in 100 such programs got a wrong gradient on jax 0.12.0.1; with it, none
-# (and in about 2 in 100 `jax.jit(jax.grad)` of the plain block was the wrong one).
-COMPILED_PROGRAMS = 40
+# (and in about 2 in 100 `jax.jit(jax.grad)` of the plain block was the wrong one). The default
+# run checks the first COMPILED_PROGRAMS of DEFAULT_SEED's sequence, the slow tier the next ones.
+COMPILED_PROGRAMS = 20
 COMPILED_SHAPES = [(16, 32, 4), (8, 32, 4), (16, 16, 4), (4, 64, 4), (16, 32, 8), (32, 32, 4),
                    (16, 128, 4), (8, 64, 8)]
 
 
-def _fuzz_compiled(n, seed, monkeypatch):
+def _fuzz_compiled(n, seed, monkeypatch, start=0):
+    """Programs ``start`` to ``start + n - 1`` of the sequence `seed` draws."""
     from hifigrad._src import checkpoint as ck
 
     monkeypatch.setattr(ck, "MIN_SLICE_ROWS", 1)  # the fuzzed blocks are small
     rng = np.random.default_rng(seed)
     sliced = 0
-    for i in range(n):
+    for i in range(start + n):
         choice = fb.draw_chooser_block(rng)
         k = int(rng.choice([1, 2, 4]))
         shape = COMPILED_SHAPES[int(rng.integers(len(COMPILED_SHAPES)))]
+        if i < start:
+            continue
         try:
             why = fb.check_compiled(fb.chooser_block(choice), fb.args(i, shape), k, seed=i)
         except AssertionError as e:
@@ -719,6 +761,13 @@ def test_fuzzed_chooser_blocks_compiled(monkeypatch):
     """COMPILED_PROGRAMS blocks of the chooser family (DEFAULT_SEED's own per release), each
     gradient compiled by XLA: none wrong, and some of them sliced."""
     assert _fuzz_compiled(COMPILED_PROGRAMS, DEFAULT_SEED, monkeypatch) >= 1
+
+
+@pytest.mark.slow
+def test_fuzzed_chooser_blocks_compiled_next_in_sequence(monkeypatch):
+    """The next COMPILED_PROGRAMS chooser blocks of DEFAULT_SEED's sequence (the slow tier)."""
+    assert _fuzz_compiled(COMPILED_PROGRAMS, DEFAULT_SEED, monkeypatch,
+                          start=COMPILED_PROGRAMS) >= 1
 
 
 def test_every_fuzzer_operation_is_classified_right(monkeypatch):

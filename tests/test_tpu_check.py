@@ -37,6 +37,9 @@ def test_a_bad_chunk_is_a_usage_error():
     assert proc.returncode != 0 and "HIFIGRAD_TEST_CHUNK" in proc.stdout + proc.stderr
 
 
+# The benchmark at a tiny size in a fresh interpreter (about a minute on 2 cores): `slow`, as the
+# GPU benchmark's tables (tests/test_gpu_bench.py); CI's slow lane runs it on every run.
+@pytest.mark.slow
 def test_tpu_bench_tiny(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

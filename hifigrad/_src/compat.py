@@ -62,7 +62,7 @@ JAX_VERSION: tuple[int, ...] = _parse_version(jax.__version__)
 
 # The JAX releases CI tests (`.ci/run`, one constraints file each under `ci/`). Keep in step with
 # `pyproject.toml`'s jax requirement and the README's support table.
-TESTED_JAX: tuple[str, ...] = ("0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.12.0.1")
+TESTED_JAX: tuple[str, ...] = ("0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.12.0.1", "0.12.1")
 
 
 def tested_range() -> str:
