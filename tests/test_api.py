@@ -526,8 +526,9 @@ def test_float0_leaves_are_passed_through_vjp(maybe_jit):
 # Every non-default Policy over the program corpus (tests/programs.py), as the default policy
 # runs it in test_rules: float32 gradients of bf16 programs that point where jax.grad's float32
 # ones do, float32 programs equal to jax.grad's, and second derivatives. The whole sweep is
-# marked `sweep` (`make test-all`); FAST_PROGRAMS (a matmul MLP, a scanned RNN, a user custom_vjp, integer_pow / div /
-# rsqrt) runs by default, jitted (so CI's jitted subset runs it on every release).
+# marked `sweep` (`make test-all`); FAST_PROGRAMS (a matmul MLP, a scanned RNN, a user
+# custom_vjp, integer_pow / div / rsqrt) runs by default, jitted (so CI's jitted subset runs it
+# on every release).
 
 from programs import ALL as _ALL_PROGRAMS  # noqa: E402
 from programs import PROGRAMS as _PROGRAMS  # noqa: E402

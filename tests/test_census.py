@@ -25,12 +25,13 @@
    `programs.TOLERANCE_FACTOR`. Known failures are listed in one place, `programs.XFAIL`
    (strict: a program that starts passing fails until its mark is dropped). The default run
    checks one combination per program (jitted; bf16 and fp16 alternate along the table); all four
-   run in the `sweep` tier (``make test-all``). Both gradients are taken in `platforms.highest_precision()`: the bound
-   is the forward's rounding, and on an NVIDIA GPU a default-precision float32 matmul is TF32
-   (10 mantissa bits, as coarse as fp16's), an error in the reference and in hg.grad's exact
-   float32 matmuls that the bound does not budget (on CPU the context changes nothing). On a GPU
-   the default policy's bf16 matmuls are 'fast' (the cotangent rounded to bf16, 2**-9 relative
-   per matmul): within the bf16 bound, which is 8 such roundings.
+   run in the `sweep` tier (``make test-all``). Both gradients are taken in
+   `platforms.highest_precision()`: the bound is the forward's rounding, and on an NVIDIA GPU a
+   default-precision float32 matmul is TF32 (10 mantissa bits, as coarse as fp16's), an error in
+   the reference and in hg.grad's exact float32 matmuls that the bound does not budget (on CPU
+   the context changes nothing). On a GPU the default policy's bf16 matmuls are 'fast' (the
+   cotangent rounded to bf16, 2**-9 relative per matmul): within the bf16 bound, which is 8 such
+   roundings.
 
 The construct programs (control flow, custom rules, models) are checked by tests/test_rules.py.
 """
@@ -102,8 +103,8 @@ NOT_COVERED = {
     "eq_to": ("total-order equality used inside JAX's sort comparators and searchsorted; "
               "no program here reaches it on a float value"),
     # PRNG keys
-    "random_bits": _KEYS, "raw_bits": _KEYS, "random_fold_in": _KEYS, "random_seed": _KEYS, "random_split": _KEYS,
-    "random_unwrap": _KEYS, "random_wrap": _KEYS,
+    "random_bits": _KEYS, "raw_bits": _KEYS, "random_fold_in": _KEYS, "random_seed": _KEYS,
+    "random_split": _KEYS, "random_unwrap": _KEYS, "random_wrap": _KEYS,
     "from_edtype": "extended-dtype (PRNG key) representation change; integer-valued",
     "to_edtype": "extended-dtype (PRNG key) representation change; integer-valued",
     # Pallas kernels

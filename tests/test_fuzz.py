@@ -22,12 +22,13 @@ Properties, checked on programs nobody wrote by hand:
    inside a scan: the seed issue.)
 4. ``jax.grad(hg.precise_backward(f))`` equals ``hg.grad(f)`` cast to each input's dtype.
 
-The default run is fixed (a seed, no example database) and sized to about a minute and a half on
-2 CPU cores. The seed is the JAX release's and Python's own (`DEFAULT_SEED`, as
-tests/test_separable.py's fuzzer): each CI lane checks other programs, reproducibly
-(``HIFIGRAD_FUZZ_SEED=S`` picks another set). The `slow` tier checks as many again from the next
-seed; ``HIFIGRAD_FUZZ_EXAMPLES=N`` runs the `sweep`-marked long version with N random programs per
-property.
+The default run is fixed (derandomized, no example database: the same programs on every run)
+and sized to about a minute and a half on 2 CPU cores; the `slow` tier checks as many again
+(other programs: hypothesis draws them for another test function). ``HIFIGRAD_FUZZ_EXAMPLES=N``
+runs the `sweep`-marked long version with N random programs per property. (Seeding each JAX
+release's run apart, as tests/test_separable.py's fuzzer does, found on jax 0.10.2 the program
+of `test_regression_complex_forward_then_a_cond_with_a_float32_custom_vjp`, fixed; but a new
+failure found in CI is shrunk for minutes there, so this fuzzer's default stays fixed.)
 
 Properties 1, 2 and 4 are claims about float32 backward matmuls, so they run in
 `platforms.highest_precision()` (on an NVIDIA GPU a default-precision float32 matmul is TF32:
@@ -55,8 +56,6 @@ minimal program written out.
 from __future__ import annotations
 
 import os
-import sys
-import zlib
 
 import fuzz_programs as fp
 import jax
@@ -64,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fuzz_programs import W, checkpoint_name, fit  # noqa: F401  (used by the programs written out below)
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import note as _hnote
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -78,8 +77,6 @@ F32_RTOL = 1e-6
 # Programs per property in the default run (2 properties x this, ~1.5 minutes on 2 cores), and
 # as many again from the next seed in the slow tier.
 DEFAULT_EXAMPLES = {"f32": 30, "low": 30}
-DEFAULT_SEED = int(os.environ.get("HIFIGRAD_FUZZ_SEED") or zlib.crc32(
-    f"jax {jax.__version__} python {sys.version_info[0]}.{sys.version_info[1]}".encode()))
 LONG_EXAMPLES = int(os.environ.get("HIFIGRAD_FUZZ_EXAMPLES", "0") or 0)
 
 
@@ -91,11 +88,11 @@ def _settings(n, derandomize=True):
 
 
 def _fixed(n, offset=0):
-    """`n` examples drawn from the seed ``DEFAULT_SEED + offset``: the same on every run of
-    this JAX release and Python, other ones on another."""
-    def deco(test):
-        return seed(DEFAULT_SEED + offset)(_settings(n, derandomize=False)(test))
-    return deco
+    """`n` examples, derandomized (the same programs on every run and every lane: a default run
+    that found a new failure would shrink it for minutes and fail CI at random); ``offset`` 1
+    is the `slow` tier's set, drawn for another test function and so other programs."""
+    del offset  # the set is the test function's own (hypothesis derives it from the function)
+    return _settings(n)
 
 
 def note(msg):
@@ -392,6 +389,41 @@ def test_regression_precise_backward_closing_over_a_traced_value(jit):
         np.testing.assert_allclose(got, want, rtol=F32_RTOL)
 
 
+def test_regression_complex_forward_then_a_cond_with_a_float32_custom_vjp(maybe_jit):
+    """Found by the fuzzer (jax 0.10.2's seed): a bf16 value taken through complex64 (`real`
+    of a product with its conjugate) and cast back to bf16 lost its tangent flag there, so the
+    rest of the backward ran in bf16, where a `cond` branch's user custom_vjp returned a
+    float32 cotangent: the branches' types differed and lowering failed ("branch 0 and branch 1
+    have mismatched return types"; `jax.grad` fails alike). The complex round trip computes
+    exactly ``v * v`` (an imaginary part of 0), so the reference is the same program with
+    ``v * v`` in float32: equal to a float32 rounding or two of the product's derivative."""
+    def make(square):
+        def f(x):
+            v = jnp.tanh(x)
+            v = square(v).astype(jnp.bfloat16)
+
+            def with_rule(o):
+                fn = lambda a: jnp.tanh(a)
+                cv = jax.custom_vjp(fn)
+                cv.defvjp(lambda a: jax.vjp(fn, a),
+                          lambda vjp, g: tuple(c.astype(F32) for c in vjp(g)))
+                return cv(o)
+
+            out = lax.cond(jnp.sum(v) > 0, with_rule, jnp.tanh, v)
+            return jnp.sum(out * jnp.full((3,), 0.75, jnp.bfloat16)).astype(F32)
+        return f
+
+    def through_complex(v):
+        z = v.astype(jnp.complex64)
+        return jnp.real(z * jnp.conj(z))
+
+    x = jnp.asarray([0.25, -0.5, 0.75], jnp.bfloat16)
+    got = maybe_jit(hg.grad(make(through_complex)))(x)
+    want = maybe_jit(hg.grad(make(lambda v: v.astype(F32) * v.astype(F32))))(x)
+    assert got.dtype == F32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=4 * 2.0 ** -24)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_regression_unused_output_of_a_custom_vjp_inside_hg_grad(jit):
     """Found on jax 0.12: a `custom_vjp` output with no cotangent (here the stacked outputs of
@@ -528,8 +560,8 @@ def test_fuzz_polynomials_under_tangent_coefficients(coefs, vals, jit):
     fin = np.isfinite(w)
     # A few float32 ulps of the largest term (the terms' sum may be accumulated in another
     # order): 8 * 2**-24 * (sum of |terms|) bounds it.
-    terms = sum(abs(float(c[i])) * i * np.abs(np.asarray(x, np.float64)) ** max(i - 1, 0)
-                for i in range(1, len(c))) if len(c) > 1 else np.zeros(x.shape)
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # 0 * inf: a NaN bound, checked below
+        terms = sum(abs(float(c[i])) * i * np.abs(np.asarray(x, np.float64)) ** max(i - 1, 0)
+                    for i in range(1, len(c))) if len(c) > 1 else np.zeros(x.shape)
         bound = 8 * 2.0 ** -24 * np.asarray(terms, np.float64)
     assert np.all(np.abs(g[fin].astype(np.float64) - w[fin]) <= bound[fin] + 1e-45)

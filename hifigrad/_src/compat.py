@@ -62,7 +62,8 @@ JAX_VERSION: tuple[int, ...] = _parse_version(jax.__version__)
 
 # The JAX releases CI tests (`.ci/run`, one constraints file each under `ci/`). Keep in step with
 # `pyproject.toml`'s jax requirement and the README's support table.
-TESTED_JAX: tuple[str, ...] = ("0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.12.0.1", "0.12.1")
+TESTED_JAX: tuple[str, ...] = ("0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.12.0.1",
+                               "0.12.1")
 
 
 def tested_range() -> str:
@@ -260,6 +261,18 @@ def varying_axes(aval) -> frozenset:
     ``{V:...}``; empty outside one, or on a JAX without varying types)."""
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def struct_like(x, dtype=None):
+    """A `jax.ShapeDtypeStruct` of `x`'s shape (in `dtype`, else `x`'s) that keeps the manual
+    mesh axes `x` varies along (its ``manual_axis_type``), so that a program traced from it
+    inside a `shard_map` with ``check_vma=True`` types its values as `x`'s are: without them
+    it is invariant, and jax 0.12.1 rejects a `max` of it with a varying value."""
+    aval = aval_of(x)
+    dtype = aval.dtype if dtype is None else dtype
+    if varying_axes(aval) and dtype != jax.dtypes.float0:
+        return aval.update(dtype=np.dtype(dtype), weak_type=False)  # its type, varying axes kept
+    return jax.ShapeDtypeStruct(aval.shape, dtype)
 
 
 def match_varying(x, aval):

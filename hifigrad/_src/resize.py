@@ -194,15 +194,15 @@ def _custom_jvp(typing: Typing, i: int, eqn, invals, k: int) -> dict:
 
     def jvp(jaxpr, consts, zeros, out_zeros):
         t_types = [t for t, z in zip(p_types, zeros) if not z]
-        tangents = [jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)
-                                         if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
-                                         else jax.dtypes.float0)
+        tangents = [compat.struct_like(p, jnp.result_type(p)
+                                       if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                                       else jax.dtypes.float0)
                     for p, z in zip(primals, zeros) if not z]
         want = [*out_types, *[t for t, z in zip(out_types, out_zeros) if not z]]
         rule = _rule_typing(jaxpr, consts, (*p_types, *t_types), typing.batch, want,
                             "a custom_jvp rule")
         closed = jax.make_jaxpr(lambda *a: eval_at(rule, a, k))(
-            *[jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)) for p in primals],
+            *[compat.struct_like(p, jnp.result_type(p)) for p in primals],
             *tangents)
         return compat.jaxpr_and_consts(closed)
 
