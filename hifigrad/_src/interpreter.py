@@ -280,15 +280,21 @@ class Interpreter:
 
     def flaggable(self, aval) -> bool:
         """Whether a value of `aval` can be flagged promoted (a tangent, not a residual): a real
-        float, or a complex value. Complex values keep their dtype (JAX has none narrower than
-        complex64, whose parts are float32), and a real value taken from one (`real`, `abs`)
-        and cast to a low dtype must stay a tangent in full precision: unflagged, it ran in
-        that low dtype and met a user's float32 cotangent there (a `cond` whose branches' types
-        then differed). Where a flagged value is narrower than the promoted dtype (complex64
-        under float64 tangents), `cast_up` converts it where a rule needs it promoted."""
+        float, or a complex value whose parts are in the promoted dtype already (complex64
+        under float32 tangents; complex values keep their dtype). A real value taken from such
+        a complex one (`real`, `abs`) and cast to a low dtype must stay a tangent in full
+        precision: unflagged, it ran in that low dtype and met a user's float32 cotangent there
+        (a `cond` whose branches' types then differed). Under float64 tangents complex64 stays
+        unflagged: its parts are narrower than the promoted dtype."""
         dt = getattr(aval, "dtype", None)
-        return dt is not None and (jax.numpy.issubdtype(dt, jax.numpy.floating)
-                                   or jax.numpy.issubdtype(dt, jax.numpy.complexfloating))
+        if dt is None:
+            return False
+        if jax.numpy.issubdtype(dt, jax.numpy.floating):
+            return True
+        if jax.numpy.issubdtype(dt, jax.numpy.complexfloating):
+            part = np.finfo(dt).dtype
+            return np.dtype(self.up(part)) == part
+        return False
 
     def cast_up(self, x, flagged: bool = False):
         """`x` in its promoted dtype. Unpromoted values (residuals) use the staged `upcast`."""
