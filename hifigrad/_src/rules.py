@@ -117,9 +117,6 @@ def _floating(x) -> bool:
 
 def convert_rule(interp: Interpreter, eqn, invals, inflags):
     (x,), new_dtype = invals, np.dtype(eqn.params["new_dtype"])
-    if jax.numpy.issubdtype(new_dtype, jax.numpy.complexfloating):
-        # Complex values keep their dtype; whether one stays a tangent: `Interpreter.flaggable`.
-        return compat.bind_eqn(eqn, [x]), [interp.flaggable(eqn.outvars[0].aval)]
     if not jax.numpy.issubdtype(new_dtype, jax.numpy.floating):
         return compat.bind_eqn(eqn, [x]), [False]
     target = interp.up(new_dtype)
