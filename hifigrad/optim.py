@@ -92,10 +92,6 @@ def _to_f32(x):
 _ROUNDINGS = ("nearest_even", "nearest_away", "truncate")
 
 
-def _f32_bits(x):
-    return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
-
-
 def _special(hi):
     """Whether a bf16's bits (uint32, the top half of a float32's) are inf or NaN."""
     return (hi & 0x7F80) == 0x7F80
@@ -136,7 +132,7 @@ def round_to_bf16(x, rounding: str = "nearest_even", bits=None):
     x = jnp.asarray(x, jnp.float32)
     if rounding == "nearest_even":
         return x.astype(jnp.bfloat16)
-    u = _f32_bits(x)
+    u = _codes.f32_bits(x)
     hi, low = u >> 16, u & 0xFFFF
     if rounding == "truncate":
         return _bf16_of(_nan_kept(hi, low))
@@ -157,7 +153,7 @@ def _split(master, rounding: str):
     from which `_join` gives the master back exactly. With ``nearest_away`` a parameter
     rounded up (its master's low half at least 0x8000) lies above its master by 0x10000 -
     low units of the master's last place; a tie rounded to even would need a 17th bit."""
-    u = _f32_bits(master)
+    u = _codes.f32_bits(master)
     low = u & 0xFFFF
     return round_to_bf16(master, rounding), low.astype(jnp.uint16)
 
@@ -229,7 +225,7 @@ def _own_buffers(state, params):
 def _round_to_24_bits(master, bits):
     """``master`` (float32) rounded stochastically to its top 24 bits (16 significant bits):
     ``bits`` (uint32, 8 of them used) added under them, the rest dropped; inf and NaN kept."""
-    u = _f32_bits(master)
+    u = _codes.f32_bits(master)
     rounded = (u + (bits & 0xFF)) & jnp.uint32(0xFFFFFF00)
     return lax.bitcast_convert_type(jnp.where(_special(u >> 16), u, rounded), jnp.float32)
 

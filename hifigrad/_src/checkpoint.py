@@ -260,12 +260,7 @@ def _slice_count(slices, policy: Policy, jaxpr, flat, big: int, batch: int
     x = flat[big]
     name = f"{jnp.result_type(x)}{list(np.shape(x))}"
     if slices is None:
-        tangent = np.dtype(policy.tangent_dtype).itemsize
-        size = np.size(x)
-        big_vals = [v.aval for v in _all_outvars(jaxpr)
-                    if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
-                    and math.prod(getattr(v.aval, "shape", ())) >= size]
-        narrow = [a for a in big_vals if np.dtype(a.dtype).itemsize < tangent]
+        big_vals, narrow = _activation_sized(jaxpr, x, policy)
         if not narrow:
             widest = max((np.dtype(a.dtype).itemsize for a in big_vals), default=0)
             return 1, (f"one slice chosen: the block computes its activation-sized values "
@@ -284,6 +279,18 @@ def _slice_count(slices, policy: Policy, jaxpr, flat, big: int, batch: int
                f"{MIN_SLICE_ROWS} rows per matmul), or its batch of {batch} does not divide")
         return 1, why
     return k, ""
+
+
+def _activation_sized(jaxpr, x, policy: Policy) -> tuple[list, list]:
+    """The float values `jaxpr` computes that are at least as large as `x` (its largest
+    activation), and those of them narrower than the tangent dtype (whose cotangents are wider
+    than the values themselves)."""
+    tangent = np.dtype(policy.tangent_dtype).itemsize
+    size = np.size(x)
+    big_vals = [v.aval for v in _all_outvars(jaxpr)
+                if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
+                and math.prod(getattr(v.aval, "shape", ())) >= size]
+    return big_vals, [a for a in big_vals if np.dtype(a.dtype).itemsize < tangent]
 
 
 def _all_outvars(jaxpr):
@@ -452,14 +459,10 @@ def _slice_decision(converted, consts, flat, encode, policy: Policy, save: str,
 
 def _widening(jaxpr, x, policy: Policy) -> str:
     """What the float32 backward of a block run at once holds more than a bf16 one: the
-    cotangent of its largest value narrower than the tangent dtype, at the tangent's width."""
+    cotangent of its largest value narrower than the tangent dtype, at the tangent's width
+    (there is one: slicing was wanted because of it, `_slice_count`)."""
     tangent = np.dtype(policy.tangent_dtype)
-    size = np.size(x)
-    narrow = [v.aval for v in _all_outvars(jaxpr)
-              if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
-              and np.dtype(v.aval.dtype).itemsize < tangent.itemsize
-              and math.prod(getattr(v.aval, "shape", ())) >= size]
-    a = max(narrow, key=lambda a: math.prod(a.shape))
+    a = max(_activation_sized(jaxpr, x, policy)[1], key=lambda a: math.prod(a.shape))
     n = math.prod(a.shape)
     extra = n * (tangent.itemsize - np.dtype(a.dtype).itemsize) / 2 ** 20
     return (f"its {tangent} backward holds the cotangents of values as large as "

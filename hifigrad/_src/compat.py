@@ -263,15 +263,15 @@ def varying_axes(aval) -> frozenset:
     return frozenset(getattr(mat, "varying", ()) or ())
 
 
-def struct_like(x, dtype=None):
-    """A `jax.ShapeDtypeStruct` of `x`'s shape (in `dtype`, else `x`'s) that keeps the manual
-    mesh axes `x` varies along (its ``manual_axis_type``), so that a program traced from it
-    inside a `shard_map` with ``check_vma=True`` types its values as `x`'s are: without them
-    it is invariant, and jax 0.12.1 rejects a `max` of it with a varying value."""
+def struct_like(x, dtype):
+    """An abstract value of `x`'s shape in `dtype`, for `jax.make_jaxpr` to trace from: `x`'s
+    own type (an aval) where `x` varies along manual mesh axes inside a `shard_map` with
+    ``check_vma=True``, so that the program types its values as `x`'s are (from a
+    `jax.ShapeDtypeStruct` they would be invariant, and jax 0.12.1 rejects a `max` of such a
+    value with a varying one); else a `jax.ShapeDtypeStruct`."""
     aval = aval_of(x)
-    dtype = aval.dtype if dtype is None else dtype
     if varying_axes(aval) and dtype != jax.dtypes.float0:
-        return aval.update(dtype=np.dtype(dtype), weak_type=False)  # its type, varying axes kept
+        return aval.update(dtype=np.dtype(dtype), weak_type=False)
     return jax.ShapeDtypeStruct(aval.shape, dtype)
 
 

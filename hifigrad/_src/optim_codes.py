@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .codecs import _mix32
+
 MIN_BLOCK = 64   # a block holds its two float32 scales' 64 bits
 BLOCK = 128
 KINDS = ("fp16", "8bit", "4bit")
@@ -91,14 +93,7 @@ def to_blocks(x, lay: Layout, view=None):
 
 # ------------------------------------------------------------------ random bits
 
-def hash32(x):
-    """An integer hash of uint32 values (Wellons' "lowbias32"): exact integer arithmetic, so
-    the same bits on every backend."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+hash32 = _mix32  # Wellons' "lowbias32", as the codecs' dither: exact integer arithmetic
 
 
 def leaf_bits32(seed, count, index: int, shape):
@@ -120,8 +115,9 @@ def leaf_bits32(seed, count, index: int, shape):
 
 # ------------------------------------------------------------------ magnitude codes
 
-def _f32_bits(x):
-    return lax.bitcast_convert_type(x, jnp.uint32)
+def f32_bits(x):
+    """The bits of `x` as float32, as uint32."""
+    return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
 
 
 def _small_float(e_bits: int, m_bits: int, zero: bool):
@@ -143,7 +139,7 @@ def _small_float(e_bits: int, m_bits: int, zero: bool):
     def encode(y, r16):
         if not zero:
             y = jnp.maximum(y, smallest)
-        u = _f32_bits(y) + (r16 << (drop - 16))          # 16 random bits under the kept ones
+        u = f32_bits(y) + (r16 << (drop - 16))          # 16 random bits under the kept ones
         u = u & jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
         e = (u >> 23).astype(jnp.int32) - bias
         code = (jnp.clip(e, 0, top) << m_bits) | ((u >> drop) & ((1 << m_bits) - 1)).astype(
@@ -174,7 +170,7 @@ def _half_octaves(n_bits: int):
 
     def encode(y, r16):
         y = jnp.maximum(y, lowest)
-        u = _f32_bits(y)
+        u = f32_bits(y)
         e = (u >> 23).astype(jnp.int32) - 127                     # y = 2**e (1 + f)
         frac = lax.bitcast_convert_type((u & 0x7FFFFF) | 0x3F800000, jnp.float32)   # 1 + f
         upper_half = frac >= np.float32(np.sqrt(2))
@@ -200,7 +196,7 @@ def _encode_f16(y, r16):
     """The float16 bits (15, no sign) of ``y * 2**15`` for ``y`` in [0, 1], rounded
     stochastically: 11 significant bits down to 2**-29 of the scale, steps of 2**-39 below."""
     z = y * _F16_UP
-    normal = lax.bitcast_convert_type((_f32_bits(z) + (r16 >> 3)) & jnp.uint32(0xFFFFE000),
+    normal = lax.bitcast_convert_type((f32_bits(z) + (r16 >> 3)) & jnp.uint32(0xFFFFE000),
                                       jnp.float32)
     sub = jnp.floor(z * 2.0 ** 24 + r16.astype(jnp.float32) * 2.0 ** -16) * 2.0 ** -24
     q = jnp.where(z < 2.0 ** -14, sub, normal).astype(jnp.float16)   # exact: a float16 value
@@ -226,7 +222,7 @@ def _scale_bits(scale_m, scale_s, view):
     block's scales it holds: elements 0..31 the first moment's scale's bits, 32..63 the
     second's, the rest 0. ``scale_m``, ``scale_s``: float32 (*lead, nb, 1, 1)."""
     rows, cols = view
-    sm, ss = _f32_bits(scale_m), _f32_bits(scale_s)
+    sm, ss = f32_bits(scale_m), f32_bits(scale_s)
     lead = (1,) * (sm.ndim - 2)
     if cols == 32:  # each row of 32 holds one word: the word by row, a bit by column
         words = jnp.concatenate([sm, ss] + [jnp.zeros_like(sm)] * (rows - 2), axis=-2)
@@ -258,7 +254,7 @@ def _block_max(x):
     integer maximum of its bits (their order is the values'; NaN's bits are above inf's).
     XLA:CPU hands a float reduction to a library kernel that reads a materialized operand;
     an integer one it fuses with the elementwise computation of ``x``."""
-    bits = lax.reduce(_f32_bits(x), np.uint32(0), lax.max, (x.ndim - 2, x.ndim - 1))
+    bits = lax.reduce(f32_bits(x), np.uint32(0), lax.max, (x.ndim - 2, x.ndim - 1))
     return lax.bitcast_convert_type(bits, jnp.float32)[..., None, None]
 
 

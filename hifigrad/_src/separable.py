@@ -1244,8 +1244,9 @@ def _linear_scatter(cx: _Cx, eqn, ins):
     return [cx.mix("scatters a sum over the batch nonlinearly")] * len(eqn.outvars)
 
 
-register(_named("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
-                "scatter_max", "scatter_sub"), _scatter_types, _linear_scatter)
+_SCATTERS = frozenset(_named("scatter", "scatter-add", "scatter_add", "scatter_mul",
+                              "scatter_min", "scatter_max", "scatter_sub"))
+register(list(_SCATTERS), _scatter_types, _linear_scatter)
 
 
 def _random_wrap_types(cx: _Cx, eqn, ins, want):
@@ -1644,8 +1645,7 @@ def _pos_concatenate(cx: _Cx, eqn, ins, want):
     return [Position(p.why, p.axis, c, p.axis if rest else None)]
 
 
-def _pos_index(cx: _Cx, eqn, ins, want, n_ops: int, op_dim_of_comp, idx_j: int,
-               is_scatter: bool):
+def _pos_index(cx: _Cx, eqn, ins, n_ops: int, op_dim_of_comp, idx_j: int):
     """A gather or scatter whose index vectors hold the position along the indices' axis
     `t.axis` in the component that indexes operand dimension d: the batch axis is d for the
     operands, `t.axis` for the indices, and the matching axis for the updates/result."""
@@ -1665,8 +1665,7 @@ def _pos_index(cx: _Cx, eqn, ins, want, n_ops: int, op_dim_of_comp, idx_j: int,
 def _pos_gather(cx: _Cx, eqn, ins, want):
     dn = eqn.params["dimension_numbers"]
     start = tuple(dn.start_index_map)
-    found = _pos_index(cx, eqn, ins, want, 1,
-                       lambda c: start[c] if c < len(start) else None, 1, False)
+    found = _pos_index(cx, eqn, ins, 1, lambda c: start[c] if c < len(start) else None, 1)
     if found is None:
         return None
     d, ai, _ = found
@@ -1684,8 +1683,7 @@ def _pos_scatter(cx: _Cx, eqn, ins, want):
     n_in = len(ins)
     n_ops = (n_in - 1) // 2
     s2o = tuple(dn.scatter_dims_to_operand_dims)
-    found = _pos_index(cx, eqn, ins, want, n_ops,
-                       lambda c: s2o[c] if c < len(s2o) else None, n_ops, True)
+    found = _pos_index(cx, eqn, ins, n_ops, lambda c: s2o[c] if c < len(s2o) else None, n_ops)
     if found is None:
         return None
     d, ai, n_out = found
@@ -1703,8 +1701,6 @@ def _pos_scatter(cx: _Cx, eqn, ins, want):
     return [d] * n_out
 
 
-_SCATTERS = frozenset(_named("scatter", "scatter-add", "scatter_add", "scatter_mul",
-                              "scatter_min", "scatter_max", "scatter_sub"))
 _IDS_MOVES = frozenset([lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p, lax.transpose_p,
                         lax.convert_element_type_p, lax.add_p])
 _IDS_COMPARE = frozenset(_named("eq", "ne"))
@@ -1787,8 +1783,7 @@ _POSITION_RULES.update({lax.lt_p: _pos_derived, lax.add_p: _pos_derived,
                         lax.broadcast_in_dim_p: _pos_broadcast, lax.reshape_p: _pos_reshape,
                         lax.convert_element_type_p: _pos_cast, lax.select_n_p: _pos_normalized,
                         lax.concatenate_p: _pos_concatenate, lax.gather_p: _pos_gather})
-for _p in _named("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
-                 "scatter_max", "scatter_sub"):
+for _p in _SCATTERS:
     _POSITION_RULES[_p] = _pos_scatter
 
 
