@@ -63,24 +63,17 @@ _EAGER_IN_TURN_MODULES = {"test_checkpoint": 3, "test_compress": 3, "test_attent
 
 
 def _eager_in_turn(items):
-    """``@pytest.mark.eager_in_turn(n)``: of a parametrized test's eager cases, in collection
-    order, the first of every `n` stays in the default suite and the others are marked `slow`;
-    every jitted case stays. For tests whose cases differ in what is traced (a codec, a block, a
-    wrapper) while the eager path they add over the jitted run (the backward evaluated op by op)
-    is the same. `_EAGER_IN_TURN_MODULES` does the same along a whole module."""
+    """Of each `_EAGER_IN_TURN_MODULES` module's eager cases still in the default suite, in
+    collection order, the first of every `n` stays and the others are marked `slow`."""
     seen: dict = {}
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
-        mark = item.get_closest_marker("eager_in_turn")
-        if not _is_eager(item) or (mark is None and module not in _EAGER_IN_TURN_MODULES):
+        n = _EAGER_IN_TURN_MODULES.get(module)
+        if n is None or not _is_eager(item):
             continue
         if item.get_closest_marker("slow") or item.get_closest_marker("sweep"):
             continue  # already out of the default suite: not counted in the turn
-        if mark is not None:
-            key, n = (module, item.originalname), int(mark.args[0])
-        else:
-            key, n = module, _EAGER_IN_TURN_MODULES[module]
-        i = seen[key] = seen.get(key, -1) + 1
+        i = seen[module] = seen.get(module, -1) + 1
         if i % n:
             item.add_marker(pytest.mark.slow)
 
