@@ -169,7 +169,9 @@ NOT_COVERED = {
 _TO_0_11_0 = ((0, 10), (0, 11, 0))
 _TO_0_11_1 = ((0, 10), (0, 11, 0), (0, 11, 1))
 ONLY_ON = {"call": _TO_0_11_0, "closed_call": _TO_0_11_0, "eval_jaxpr": _TO_0_11_1,
-           "call_hi_primitive": _TO_0_11_1, "le_to": ((0, 12),), "lt_to": ((0, 12),)}
+           "call_hi_primitive": _TO_0_11_1, "le_to": ((0, 12),), "lt_to": ((0, 12),),
+           # registered from jax 0.12.1 on (absent before)
+           "random_poisson": ((0, 12, 1),), "raw_bits": ((0, 12, 1),)}
 
 
 def _on(prefixes) -> bool:
