@@ -162,20 +162,34 @@ def _instructions(fn, args):
     return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", text, re.M))
 
 
-@pytest.mark.slow  # three compiles of a 16-block program: about 20 s on 2 shared cores
+@pytest.mark.slow  # two compiles of a 16-block program: about 15 s on 2 shared cores
 @pytest.mark.cpu_only(reason="XLA:CPU's instruction fusion duplicates cheap float32 producers")
-def test_unrolled_backward_compiles_to_jax_grads_size(monkeypatch):
+def test_unrolled_backward_compiles_to_jax_grads_size():
     # 16 unrolled residual blocks: hg.grad's float32 backward compiles to at most 1.5x the
-    # instructions of jax.grad's bf16 one; without the materialized skip connections XLA:CPU
-    # clones the cotangent chain into every block's fusions (more than 1.5x: the test fails).
+    # instructions of jax.grad's bf16 one.
     n = 16
     ws, x = _residual_args(n)
     loss = _residual_loss(n, jnp.bfloat16)
     ref = _instructions(jax.grad(loss), (ws, x))
     fixed = _instructions(hg.grad(loss), (ws, x))
+    assert fixed <= 1.5 * ref, (fixed, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only(reason="XLA:CPU's instruction fusion duplicates cheap float32 producers")
+@pytest.mark.xfail(strict=True, reason=(
+    "the control no longer reproduces: without the materialized skip connections this program "
+    "compiles to 5083 instructions against jax.grad's 5824 on jax 0.10.2 (4710 vs 5309 on "
+    "0.12.1), not more than 1.5x; strict, so that XLA:CPU cloning the chain again is seen"))
+def test_without_materialized_skips_the_backward_compiles_larger(monkeypatch):
+    # The control of the test above: without the materialized skip connections XLA:CPU cloned
+    # the cotangent chain into every block's fusions (more than 1.5x jax.grad's instructions).
+    n = 16
+    ws, x = _residual_args(n)
+    loss = _residual_loss(n, jnp.bfloat16)
+    ref = _instructions(jax.grad(loss), (ws, x))
     _without_materialize(monkeypatch)
     unfixed = _instructions(hg.grad(loss), (ws, x))
-    assert fixed <= 1.5 * ref, (fixed, ref)
     assert unfixed > 1.5 * ref, (unfixed, ref)
 
 
