@@ -18,11 +18,11 @@ DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
 PYTEST_ARGS ?=
 DEMO_ARGS ?= --out demo-out
 # The subset CI runs on the releases it does not test in full: the API, the rules, the
-# checkpoints, the Flax wrappers, the census, the compat layer, examples/ and the demo, each
-# case jitted only (the releases tested in full run the eager variants too).
+# checkpoints, the Flax wrappers, the census and the compat layer, each case jitted only (the
+# releases tested in full run the eager variants, examples/ and the demo too).
 SUBSET_K ?= not eager
 SUBSET ?= tests/test_api.py tests/test_rules.py tests/test_checkpoint.py tests/test_flax.py \
-	tests/test_census.py tests/test_compat.py tests/test_examples.py tests/test_demo.py
+	tests/test_census.py tests/test_compat.py
 
 # The quick check a newcomer runs first (`make test-quick`): the public API, the checkpoints and
 # the drop-in compression, the policies, dtypes and the interpreter, the README's quickstart,
