@@ -707,7 +707,9 @@ def test_checkpoint_passes_keyword_arguments_as_jax_checkpoint_does(maybe_jit):
     def f(x, scale=1.0):
         return jnp.tanh(x) * scale
 
-    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    # (not symmetric about 0: the sum of tanh(x) that d/d scale is must not cancel to rounding
+    # noise, which a relative tolerance cannot compare; it did on jax 0.11.1)
+    x = jnp.linspace(-0.5, 1, 8).reshape(2, 4)
     for ck in (jax.checkpoint(f), hg.checkpoint(f, "none")):
         g = maybe_jit(jax.grad(lambda x, s, ck=ck: jnp.sum(ck(x, scale=s)), (0, 1)))(x, 2.0)
         np.testing.assert_allclose(g[0], 2.0 * (1 - jnp.tanh(x) ** 2), rtol=1e-6)
