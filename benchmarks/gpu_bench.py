@@ -151,7 +151,10 @@ def gpt_block(x, p, *, heads, dtype, attn):
     h = rms_norm(x.astype(dtype), p["g1"])
     q, k, v = jnp.split(h @ p["wqkv"], 3, axis=-1)
     q, k, v = (t.reshape(B, T, heads, d // heads) for t in (q, k, v))
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn)
+    if callable(attn):  # a kernel of one's own: attn(q, k, v) -> o, causal, [B, T, H, D]
+        o = attn(q, k, v)
+    else:
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn)
     x = x + (o.reshape(B, T, d) @ p["wo"]).astype(x.dtype)
     h = rms_norm(x.astype(dtype), p["g2"])
     return x + (jax.nn.gelu(h @ p["w1"]) @ p["w2"]).astype(x.dtype)

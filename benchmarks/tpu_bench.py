@@ -23,6 +23,14 @@ Sections (``--sections``, comma-separated):
   ``--gpt-blocks``, and at ``--gpt-compress-blocks`` the bf16 remat scan vs
   ``hg.compress_checkpoints`` of it (int8, fp8) under ``jax.grad`` and ``hg.grad``.
 
+* ``flash``: Pallas flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`,
+  causal, bf16 q/k/v of ``--flash-shapes`` B x H x T x D): the attention's own gradient step
+  under ``jax.grad`` (its bf16 backward kernels) and ``hg.grad`` (the same kernels built for
+  float32 operands: a custom_vjp backward holding a Pallas kernel is re-traced at the promoted
+  dtype), with each gradient's SQNR in dB against a float32 reference (the XLA attention of
+  the same bf16 inputs in float32, matmuls at ``highest``); then the GPT (``--flash-blocks``,
+  plain ``lax.scan``) with that kernel as its attention, ``jax.grad`` vs ``hg.grad``.
+
 ``--legacy`` adds int4/int2 codecs with the interleaved ``[groups, group_size * bits / 8]``
 packing that hifigrad used before (for a before/after comparison in the same run).
 
@@ -357,6 +365,95 @@ def bench_gpt_policy(rep, args):
                   "jax.grad bf16 remat scan")
 
 
+def _flash(q, k, v, *, block):
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    bs = fa.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1,
+                       block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block,
+                       block_q_dkv=block, block_k_major_dq=block, block_k_dq=block,
+                       block_q_dq=block)
+    return fa.flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5,
+                              block_sizes=bs)
+
+
+def _sqnr_db(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    err = float(((x - ref) ** 2).sum())
+    return float("inf") if err == 0 else 10 * np.log10(float((ref ** 2).sum()) / err)
+
+
+def bench_flash(rep, args):
+    """Pallas flash attention's gradient under jax.grad and hg.grad (`--sections flash`)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    blk = args.flash_block
+    for shape in args.flash_shapes.split(","):
+        B, H, T, D = (int(n) for n in shape.split("x"))
+        ks = jax.random.split(jax.random.key(7), 4)
+        q, k, v = (jax.random.normal(kk, (B, H, T, D), F32).astype(BF16) for kk in ks[:3])
+        w = jax.random.normal(ks[3], (B, H, T, D), F32)
+
+        def loss(q, k, v, w=w):
+            return jnp.sum(_flash(q, k, v, block=blk).astype(F32) * w)
+
+        def ref_loss(q, k, v, w=w, D=D):
+            with jax.default_matmul_precision("highest"):
+                o = fa.mha_reference_no_custom_vjp(q, k, v, None, None, causal=True,
+                                                   sm_scale=D ** -0.5)
+            return jnp.sum(o * w)
+
+        ref = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(
+            *(t.astype(F32) for t in (q, k, v)))
+        section = "flash"
+        print(f"\n== {section}: {B}x{H}x{T}x{D}, block {blk}", flush=True)
+        base = None
+        highest = hg.Policy(matmul_precision="highest")
+        for name, tr in (("jax.grad", jax.grad), ("hg.grad", hg.grad),
+                         ("hg.grad, matmul_precision='highest'",
+                          functools.partial(hg.grad, policy=highest))):
+            row = {"shape": shape, "row": name}
+            try:
+                g = tr(loss, argnums=(0, 1, 2))
+                c, comp_s = compiled_of(g, (q, k, v))
+                temp, _ = mem(c)
+                row["temp MiB"] = None if temp is None else temp / MiB
+                row["step ms"] = 1e3 * timed(c, (q, k, v), args.steps)
+                grads = c(q, k, v)
+                row["dtype"] = str(grads[0].dtype)
+                for nm, gx, r in zip(("dq", "dk", "dv"), grads, ref):
+                    row[f"SQNR {nm} dB"] = _sqnr_db(gx, r)
+                if base is None:
+                    base = row
+                row["time / jax.grad"] = row["step ms"] / base["step ms"]
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                row["traceback"] = traceback.format_exc(limit=6)
+            print(f"[{section}] {row}", flush=True)
+            rep.add(section, row)
+
+    if args.flash_blocks:
+        H = args.gpt_heads
+
+        def attn(q, k, v):  # [B, T, H, D] -> the kernel's [B, H, T, D] and back
+            o = _flash(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)), block=blk)
+            return o.transpose(0, 2, 1, 3)
+
+        L = args.flash_blocks
+        params = gb.gpt_init(jax.random.key(3), blocks=L, d=args.gpt_d, mlp=4, vocab=args.vocab)
+        k1, k2 = jax.random.split(jax.random.key(4))
+        toks = jax.random.randint(k1, (args.batch, args.seq), 0, args.vocab)
+        tgts = jax.random.randint(k2, (args.batch, args.seq), 0, args.vocab)
+        loss = gb.make_gpt_loss(heads=H, attn=attn)
+        print(f"\n== flash_gpt: {L} blocks, d={args.gpt_d}, {args.batch}x{args.seq} tokens",
+              flush=True)
+        rows = [("jax.grad bf16, Pallas flash attention", functools.partial(jax.grad, loss)),
+                ("hg.grad bf16, Pallas flash attention", functools.partial(hg.grad, loss)),
+                ("hg.grad bf16, Pallas flash attention, matmul_precision='highest'",
+                 functools.partial(hg.grad, loss,
+                                   policy=hg.Policy(matmul_precision="highest")))]
+        step_rows(rep, "flash_gpt", rows, (params, toks, tgts), args.steps, rows[0][0])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="codecs,mlp,gpt")
@@ -382,6 +479,9 @@ def main(argv=None):
     ap.add_argument("--policy-blocks", default="12,24")
     ap.add_argument("--policy-codecs", default="int8,none")
     ap.add_argument("--policies", default="default,forward,tangent,exact")
+    ap.add_argument("--flash-shapes", default="8x16x2048x128,8x16x512x64")
+    ap.add_argument("--flash-block", type=int, default=128)
+    ap.add_argument("--flash-blocks", type=int, default=12)
     ap.add_argument("--out-dir", default=None)
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
@@ -390,7 +490,7 @@ def main(argv=None):
     print(rep.env, flush=True)
     for sec in args.sections.split(","):
         {"codecs": bench_codecs, "mlp": bench_mlp, "gpt": bench_gpt,
-         "gpt_policy": bench_gpt_policy}[sec](rep, args)
+         "gpt_policy": bench_gpt_policy, "flash": bench_flash}[sec](rep, args)
     print("\n" + rep.markdown())
     print(f"\ntpu_bench done in {time.time() - rep.t0:.0f} s")
 

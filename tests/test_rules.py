@@ -28,6 +28,7 @@ from platforms import cpu_only, highest_precision
 from programs import ALL, PROGRAMS
 
 import hifigrad as hg
+from hifigrad._src import interpreter
 from hifigrad._src.rules import PROMOTE
 
 
@@ -346,3 +347,66 @@ def test_log2_tangent_coefficient():
     else:
         # 1/x in f32, times the bf16-rounded constant 1/log(2): bf16 rounding, 2^-8.
         np.testing.assert_allclose(g, exact, rtol=2 ** -8)
+
+
+def _pallas_scale(ct, y):
+    """`ct * y` as a Pallas kernel (interpreted on CPU), built for its operands' dtypes."""
+    from jax.experimental import pallas as pl
+
+    def kernel(c_ref, y_ref, o_ref):
+        o_ref[...] = c_ref[...] * y_ref[...].astype(c_ref.dtype)
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(ct.shape, ct.dtype),
+                          interpret=jax.default_backend() != "tpu")(ct, y)
+
+
+def _pallas_custom_vjp(bwd_dtypes):
+    """``f(x, y) = x * y`` whose bwd computes ``ct * y`` in `_pallas_scale`; with `bwd_dtypes`,
+    the bwd refuses cotangents of other dtypes (a kernel that is not generic in dtype)."""
+
+    @jax.custom_vjp
+    def f(x, y):
+        return x * y
+
+    def bwd(y, ct):
+        if bwd_dtypes and ct.dtype not in bwd_dtypes:
+            raise TypeError(f"this kernel takes {bwd_dtypes}, not {ct.dtype}")
+        return _pallas_scale(ct, y), None
+
+    f.defvjp(lambda x, y: (f(x, y), y), bwd)
+    return f
+
+
+def test_a_custom_vjp_backward_holding_a_pallas_kernel_is_built_for_float32(maybe_jit):
+    """A kernel inside a custom_vjp backward (a `pallas_call`: typed at the dtypes it was built
+    for, so the interpreter cannot promote it) is re-traced from the user's rule at float32
+    (`rules._retrace_promoted`): no fallback, no warning, and the gradient is the float32
+    product of the float32 cotangent and the bf16 residual, exact to float32 rounding (2**-24
+    relative), where jax.grad's and the fallback's are rounded to bf16 (2**-9)."""
+    f = _pallas_custom_vjp(())
+    x = jnp.linspace(-1, 1, 256).astype(_BF).reshape(8, 32)
+    y = jnp.linspace(0.3, 2.7, 256).astype(_BF).reshape(8, 32)
+    w = jnp.linspace(-1.3, 1.1, 256, dtype=jnp.float32).reshape(8, 32) * np.float32(np.pi)
+    fn = lambda x: jnp.sum(f(x, y).astype(jnp.float32) * w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hg.PrecisionFallbackWarning)
+        g = maybe_jit(hg.grad(fn))(x)
+    assert g.dtype == jnp.float32
+    ref = np.asarray(w, np.float64) * np.asarray(y, np.float64)
+    np.testing.assert_allclose(g, ref, rtol=2.0 ** -24, atol=0)
+    assert np.abs(np.asarray(jax.grad(fn)(x), np.float64) - ref).max() > 2.0 ** -12
+
+
+def test_a_pallas_backward_not_generic_in_dtype_falls_back_loudly(maybe_jit):
+    """A rule that refuses float32 cotangents cannot be re-traced: the kernel runs at its own
+    dtype, with the one `PrecisionFallbackWarning`, and the gradient is jax.grad's, up-cast."""
+    f = _pallas_custom_vjp((jnp.dtype(_BF),))
+    x = jnp.linspace(-1, 1, 256).astype(_BF).reshape(8, 32)
+    y = jnp.linspace(0.3, 2.7, 256).astype(_BF).reshape(8, 32)
+    w = jnp.linspace(-1.3, 1.1, 256, dtype=jnp.float32).reshape(8, 32)
+    fn = lambda x: jnp.sum(f(x, y).astype(jnp.float32) * w)
+    interpreter._warned.discard("pallas_call")
+    with pytest.warns(hg.PrecisionFallbackWarning, match="pallas_call"):
+        g = maybe_jit(hg.grad(fn))(x)
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(g, np.asarray(jax.grad(fn)(x), np.float32))

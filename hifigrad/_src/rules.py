@@ -39,6 +39,8 @@ type), so the casts it stages run where the equation runs.
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -304,10 +306,14 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
         # user's bwd as they are, exactly as under jax.grad, so it may branch on them.
         dyn = [i for i, x in enumerate(r) if isinstance(x, jax.core.Tracer)]
 
-        def traced(r_dyn, cts_nz):
+        def traced(r_dyn, cts_nz, up=False):
             full = list(r)
             for i, x in zip(dyn, r_dyn):
                 full[i] = x
+            if up:  # (`_retrace_promoted`) low-precision float residuals, up-cast exactly
+                full = [lax.convert_element_type(x, interp.up(x.dtype))
+                        if isinstance(x, (jax.Array, np.ndarray)) and _floating(x) else x
+                        for x in full]
             it = iter(cts_nz)
             # (inside a shard_map, each cotangent varies along the mesh axes its output does)
             cts_lo = [compat.symbolic_zero(a) if z else compat.match_varying(next(it), a)
@@ -318,8 +324,13 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
                     for a, z in zip(out_avals, zero) if not z]
         r_dyn = [r[i] for i in dyn]
         jaxpr, consts, _ = compat.make_jaxpr_closed(traced, r_dyn, ct_avals)
-        outs, oflags = interp.eval(jaxpr, consts, [*r_dyn, *cts],
-                                   [False] * len(r_dyn) + [True] * len(cts))
+        outs = None
+        if _opaque_kernels(interp, jaxpr):
+            outs = _retrace_promoted(interp, functools.partial(traced, up=True), r_dyn, cts,
+                                     ct_avals)
+        if outs is None:
+            outs, _ = interp.eval(jaxpr, consts, [*r_dyn, *cts],
+                                  [False] * len(r_dyn) + [True] * len(cts))
         # Each input cotangent in the promoted dtype of its (linear) input.
         lin_avals = [v.aval for v in eqn.invars[num_res:]]
         nz = [not z for z in params["in_zeros"]]
@@ -338,6 +349,60 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
     with compat.eqn_context(eqn):
         outs = compat.custom_lin_bind([*res, *lin], new_params)
     return outs, [True] * len(outs)
+
+
+def _opaque_kernels(interp: Interpreter, jaxpr) -> list[str]:
+    """The kernels in `jaxpr` (a custom_vjp backward traced at its declared dtypes) that the
+    interpreter cannot promote: equations whose params hold a typed sub-program that is not a
+    call (`pallas_call`: a Pallas kernel is typed at the dtypes it was built for) and that no
+    rule names. Found through nested sub-programs. GPU library kernels
+    (`LOW_PRECISION_KERNELS`) are not among them: their kernels take only their own dtypes."""
+    found = []
+    for eqn in jaxpr.eqns:
+        subs = compat.jaxprs_in_params(eqn.params)
+        if not subs:
+            continue
+        if (eqn.primitive not in interp.table.rules and _call_like_jaxpr(eqn) is None
+                and eqn.primitive.name not in LOW_PRECISION_KERNELS):
+            found.append(eqn.primitive.name)
+            continue
+        for sub in subs:
+            found += _opaque_kernels(interp, compat.jaxpr_and_consts(sub)[0])
+    return found
+
+
+def _retrace_promoted(interp: Interpreter, traced, r_dyn, cts, ct_avals):
+    """A custom_vjp backward that holds a kernel the interpreter cannot promote (a Pallas
+    kernel: `_opaque_kernels`), re-traced from the user's Python rule at the promoted dtype: the
+    cotangents in it, its low-precision float residuals up-cast (exactly) to it, so that the
+    kernel is built for float32 operands (Pallas kernels are written in jnp, generic in dtype;
+    e.g. `jax.experimental.pallas.ops.tpu.flash_attention`'s backward kernels). JAX accepts a
+    rule's inexact cotangents in another dtype than the primal's. The program is the rule's
+    own at those dtypes (a cast it writes, to its residual's dtype say, stays). Returns the
+    rule's input cotangents, or None when the re-trace fails (a rule that is not generic in
+    dtype): then the declared-dtype trace runs as before (the kernel's fallback, with its
+    `PrecisionFallbackWarning`)."""
+
+    up_avals = [jax.ShapeDtypeStruct(a.shape, interp.up(a.dtype)) if _floating_aval(a) else a
+                for a in ct_avals]
+    # The kernel's matmuls take `Policy.matmul_precision` as every backward matmul does
+    # (`matmul_rule`), through the default precision the kernel's `dot`s read when traced
+    # (Mosaic has DEFAULT, one bf16 pass on a TPU, and HIGHEST, float32; 'high' is taken as
+    # HIGHEST there). Without one, the ambient `jax.default_matmul_precision` applies.
+    prec = interp.policy.matmul_precision
+    ctx = (contextlib.nullcontext() if prec is None else
+           jax.default_matmul_precision("highest" if prec in ("high", "highest") else "default"))
+    try:
+        with ctx:
+            jaxpr, consts, _ = compat.make_jaxpr_closed(traced, r_dyn, up_avals)
+    except Exception:  # noqa: BLE001 (any failure of the user's rule at other dtypes)
+        return None
+    cts = [lax.convert_element_type(c, a.dtype) if _floating(c) else c
+           for c, a in zip(cts, up_avals)]
+    # Every value is at its final dtype already: evaluated as traced (no input flagged, so no
+    # rule promotes or falls back).
+    outs, _ = interp.eval(jaxpr, consts, [*r_dyn, *cts], [False] * (len(r_dyn) + len(cts)))
+    return outs
 
 
 def linear_solve_rule(interp: Interpreter, eqn, invals, inflags):
