@@ -441,11 +441,12 @@ def test_pallas_flash_attention_backward_runs_in_float32(precision, maybe_jit):
     re-traced at the promoted dtype, `rules._retrace_promoted`), so no fallback and no warning.
 
     Against float64 gradients of the same attention over the same bf16 inputs (NumPy): with
-    ``matmul_precision='highest'`` each of dq, dk, dv is at least 6 dB (one bit) above jax.grad's bf16 kernels (measured +9 dB for dq/dk, limited by the forward's bf16
-    output `o` that the kernel's ``sum(o * do)`` reads, and +80 dB for dv = P^T do). At the
-    default precision the kernel's dots follow the platform, as every backward matmul does:
-    float32 on XLA:CPU, one bf16 MXU pass on a TPU (where the gain is about 1 dB), so there
-    the claim is only "no worse than jax.grad" (0.5 dB: the rounding noise of two different
+    ``matmul_precision='highest'`` each of dq, dk, dv is at least 6 dB (one bit) above
+    jax.grad's bf16 kernels (measured +9 dB for dq/dk, limited by the forward's bf16 output `o`
+    that the kernel's ``sum(o * do)`` reads, and +80 dB for dv = P^T do). At the default
+    precision the kernel's dots follow the platform, as every backward matmul does: float32 on
+    XLA:CPU, one bf16 MXU pass on a TPU (where the gain is about 1 dB), so there the claim is
+    only "no worse than jax.grad" (0.5 dB: the rounding noise of two different
     summation orders)."""
     fa = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
     B, H, T, D = 1, 2, 256, 128
