@@ -720,8 +720,12 @@ def test_cached_backward_never_serves_a_stale_program():
     def g(w):  # another function, same avals
         return jnp.sum(jnp.cos(w))
 
+    # The coefficients as the forward computes them (the default on CPU; a TPU's default is
+    # 'tangent', float32 coefficients): the values below are the forward's own.
+    policy = hg.Policy(coefficients="forward")
+
     def check(fun, w, want):
-        got = hg.grad(fun)(w)
+        got = hg.grad(fun, policy=policy)(w)
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
