@@ -34,9 +34,9 @@ QUICK ?= tests/test_api.py tests/test_checkpoint.py tests/test_compress.py tests
 
 # The policy's choices on a TPU, taken on this machine (HIFIGRAD_PLATFORM=tpu: 'auto' resolves
 # as on a TPU, coefficients 'tangent' and matmul 'fast'): the modules of the batch-sliced
-# backward and its fuzzers, jitted. CI runs it on one lane (.ci/run).
+# backward and its fuzzers, and the public API, jitted. CI runs it on one lane (.ci/run).
 TPU_CHOICES ?= tests/test_checkpoint.py tests/test_compress.py tests/test_separable.py \
-	tests/test_resize.py tests/test_primitives.py tests/test_policy.py
+	tests/test_resize.py tests/test_primitives.py tests/test_policy.py tests/test_api.py
 
 .PHONY: demo test test-quick test-subset test-slow test-all test-tpu-choices bench lint venv pins clean
 
