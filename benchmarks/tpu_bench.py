@@ -60,6 +60,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_bench as gb  # noqa: E402
+from _common import sqnr_db  # noqa: E402
 
 import hifigrad as hg  # noqa: E402
 from hifigrad._src import codecs as _codecs  # noqa: E402
@@ -376,12 +377,6 @@ def _flash(q, k, v, *, block):
                               block_sizes=bs)
 
 
-def _sqnr_db(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    err = float(((x - ref) ** 2).sum())
-    return float("inf") if err == 0 else 10 * np.log10(float((ref ** 2).sum()) / err)
-
-
 def bench_flash(rep, args):
     """Pallas flash attention's gradient under jax.grad and hg.grad (`--sections flash`)."""
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
@@ -421,7 +416,7 @@ def bench_flash(rep, args):
                 grads = c(q, k, v)
                 row["dtype"] = str(grads[0].dtype)
                 for nm, gx, r in zip(("dq", "dk", "dv"), grads, ref):
-                    row[f"SQNR {nm} dB"] = _sqnr_db(gx, r)
+                    row[f"SQNR {nm} dB"] = sqnr_db(r, gx)
                 if base is None:
                     base = row
                 row["time / jax.grad"] = row["step ms"] / base["step ms"]

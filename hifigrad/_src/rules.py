@@ -325,7 +325,7 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
         r_dyn = [r[i] for i in dyn]
         jaxpr, consts, _ = compat.make_jaxpr_closed(traced, r_dyn, ct_avals)
         outs = None
-        if _opaque_kernels(interp, jaxpr):
+        if _holds_opaque_kernel(interp, jaxpr):
             outs = _retrace_promoted(interp, functools.partial(traced, up=True), r_dyn, cts,
                                      ct_avals)
         if outs is None:
@@ -351,31 +351,30 @@ def custom_lin_rule(interp: Interpreter, eqn, invals, inflags):
     return outs, [True] * len(outs)
 
 
-def _opaque_kernels(interp: Interpreter, jaxpr) -> list[str]:
-    """The kernels in `jaxpr` (a custom_vjp backward traced at its declared dtypes) that the
-    interpreter cannot promote: equations whose params hold a typed sub-program that is not a
-    call (`pallas_call`: a Pallas kernel is typed at the dtypes it was built for) and that no
-    rule names. Found through nested sub-programs. GPU library kernels
-    (`LOW_PRECISION_KERNELS`) are not among them: their kernels take only their own dtypes."""
-    found = []
+def _typed_kernel(eqn) -> bool:
+    """An equation whose params hold a typed sub-program that is not a call (`pallas_call`: a
+    Pallas kernel is typed at the dtypes it was built for): no promotion can re-type it."""
+    return bool(compat.jaxprs_in_params(eqn.params)) and _call_like_jaxpr(eqn) is None
+
+
+def _holds_opaque_kernel(interp: Interpreter, jaxpr) -> bool:
+    """Whether `jaxpr` (a custom_vjp backward traced at its declared dtypes), or a program
+    nested in it, holds a `_typed_kernel` that no rule names: one the interpreter cannot
+    promote."""
     for eqn in jaxpr.eqns:
-        subs = compat.jaxprs_in_params(eqn.params)
-        if not subs:
-            continue
-        if (eqn.primitive not in interp.table.rules and _call_like_jaxpr(eqn) is None
-                and eqn.primitive.name not in LOW_PRECISION_KERNELS):
-            found.append(eqn.primitive.name)
-            continue
-        for sub in subs:
-            found += _opaque_kernels(interp, compat.jaxpr_and_consts(sub)[0])
-    return found
+        if eqn.primitive not in interp.table.rules and _typed_kernel(eqn):
+            return True
+        if any(_holds_opaque_kernel(interp, compat.jaxpr_and_consts(sub)[0])
+               for sub in compat.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 def _retrace_promoted(interp: Interpreter, traced, r_dyn, cts, ct_avals):
     """A custom_vjp backward that holds a kernel the interpreter cannot promote (a Pallas
-    kernel: `_opaque_kernels`), re-traced from the user's Python rule at the promoted dtype: the
-    cotangents in it, its low-precision float residuals up-cast (exactly) to it, so that the
-    kernel is built for float32 operands (Pallas kernels are written in jnp, generic in dtype;
+    kernel: `_holds_opaque_kernel`), re-traced from the user's Python rule at the promoted
+    dtype: the cotangents in it, its low-precision float residuals up-cast (exactly) to it, so
+    that the kernel is built for float32 operands (Pallas kernels are written in jnp, generic in dtype;
     e.g. `jax.experimental.pallas.ops.tpu.flash_attention`'s backward kernels). JAX accepts a
     rule's inexact cotangents in another dtype than the primal's. The program is the rule's
     own at those dtypes (a cast it writes, to its residual's dtype say, stays). Returns the
@@ -572,9 +571,9 @@ def _call_like_jaxpr(eqn):
 def default_rule(interp: Interpreter, eqn, invals, inflags):
     """The rule of every primitive the table does not name (see the module docstring)."""
     if compat.jaxprs_in_params(eqn.params):
-        j = _call_like_jaxpr(eqn)
-        if j is None:
+        if _typed_kernel(eqn):
             return interp.unsupported(eqn, invals, inflags, "its params hold typed sub-programs")
+        j = _call_like_jaxpr(eqn)
         n = len(compat.jaxpr_and_consts(j)[0].invars)
         with jax.named_scope(str(eqn.params.get("name", eqn.primitive.name))):
             return interp.eval_closed(j, invals[len(invals) - n:], inflags[len(inflags) - n:])
