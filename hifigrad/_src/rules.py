@@ -376,9 +376,9 @@ def _retrace_promoted(interp: Interpreter, traced, r_dyn, cts, ct_avals):
     dtype: the cotangents in it, its low-precision float residuals up-cast (exactly) to it, so
     that the kernel is built for float32 operands (Pallas kernels are written in jnp, generic
     in dtype; e.g. `jax.experimental.pallas.ops.tpu.flash_attention`'s backward kernels). JAX
-    accepts a rule's inexact cotangents in another dtype than the primal's. The program is the rule's
-    own at those dtypes (a cast it writes, to its residual's dtype say, stays). Returns the
-    rule's input cotangents, or None when the re-trace fails (a rule that is not generic in
+    accepts a rule's inexact cotangents in another dtype than the primal's. The program is the
+    rule's own at those dtypes (a cast it writes, to its residual's dtype say, stays). Returns
+    the rule's input cotangents, or None when the re-trace fails (a rule that is not generic in
     dtype): then the declared-dtype trace runs as before (the kernel's fallback, with its
     `PrecisionFallbackWarning`)."""
 
