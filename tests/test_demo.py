@@ -1,4 +1,10 @@
-"""The `hifigrad demo` command: one quick run shared by the tests, and the flag errors."""
+"""The `hifigrad demo` command: one quick run shared by the tests, and the flag errors.
+
+Claims about the --quick run's temp bytes hold on XLA:CPU only (`cpu_only`): XLA:TPU reports
+0 temp bytes for some of its tiny steps (the bf16 remat scan's among them; measured on a TPU
+v5e), so there the temp bars, the ratio to the remat scan and the small-size note have
+nothing to compare. The at-scale comparison, which leads the report, is checked everywhere.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from platforms import on_cpu
+from platforms import cpu_only, on_cpu
 
 import hifigrad
 from hifigrad.__main__ import main
@@ -23,6 +29,8 @@ from hifigrad.demo.train import gradient_sqnr_db
 pytestmark = pytest.mark.skipif(bool(cli.missing_demo_packages()),
                                 reason=f"the demo extra is missing here: "
                                        f"{', '.join(cli.missing_demo_packages())}")
+
+_QUICK_TEMP = cpu_only("XLA:TPU reports 0 temp bytes for some of --quick's tiny steps (measured)")
 
 # Each hifigrad row and the plain row it must beat on gradient SQNR (mean over training).
 HG_VS_PLAIN = [
@@ -423,6 +431,7 @@ def test_plot_styles_are_distinct_for_every_mode():
     assert len(set(markers)) == len(MODE_NAMES), styles
 
 
+@_QUICK_TEMP
 def test_memory_plot_has_a_temp_bar_for_every_mode(quick, tmp_path, monkeypatch):
     """memory.png: the per-step panel has a saved and a temp bar for every mode; the bf16
     jax.checkpoint reference (never trained, so no temp) is only in the panel of saved bytes."""
@@ -446,6 +455,7 @@ def test_memory_plot_has_a_temp_bar_for_every_mode(quick, tmp_path, monkeypatch)
     assert [t.get_text() for t in top.get_xticklabels()][0].startswith("bf16 jax.checkpoint")
 
 
+@_QUICK_TEMP
 def test_memory_is_compared_with_the_bf16_remat_scan_step(quick):
     """The report measures what a bf16 user runs today (the bf16 jax.checkpoint scan's whole
     training step, compiled) and states every mode's peak temp relative to it."""
@@ -506,6 +516,7 @@ def _with_temps(results, factor):
     return r
 
 
+@_QUICK_TEMP
 @pytest.mark.parametrize("factor", [1.2, 0.8])
 def test_report_says_why_small_runs_show_no_saving(quick, tmp_path, monkeypatch, factor):
     """Where the compressed modes' step needs more temp than the bf16 remat scan's (as at

@@ -87,8 +87,8 @@ def _blocks(page: str) -> list[str]:
 
 def _needs(blocks) -> None:
     """Skips (with the module's name) where a block imports a framework this machine lacks
-    (equinox on a TPU host's own Python, say)."""
-    for mod in ("equinox", "flax", "optax"):
+    (equinox, haiku or keras on a TPU host's own Python, say)."""
+    for mod in ("equinox", "flax", "optax", "haiku", "keras", "diffrax"):
         if any(re.search(rf"^\s*(import|from) {mod}\b", b, re.M) for b in blocks):
             pytest.importorskip(mod)
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from platforms import on_cpu
 
 import hifigrad as hg
 
@@ -206,12 +207,17 @@ def test_split_master_is_the_float32_master_exactly(rounding, jit):
     assert param.dtype == jnp.bfloat16 and low.dtype == jnp.uint16
     back = _bits(wrap(lambda p, lo: _join(p, lo, rounding))(param, low))
     nan = np.isnan(np.asarray(x))
-    np.testing.assert_array_equal(back[~nan], bits[~nan])
+    # Off XLA:CPU (a TPU) a bf16 subnormal parameter reads as zero: the chip flushes
+    # denormals, as its float32 arithmetic does, so a master updated there never holds one.
+    # Measured on a TPU v5e: every subnormal master came back wrong, every other one exact.
+    subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFFFF) != 0)
+    kept = ~nan & (~subnormal if not on_cpu() else True)
+    np.testing.assert_array_equal(back[kept], bits[kept])
     assert np.isnan(np.asarray(_join(param, low, rounding)))[nan].all()
     assert np.isnan(np.asarray(param, np.float32))[nan].all()
     if rounding == "nearest_away":  # round to nearest: it differs from ties-to-even at ties only
         rne = np.asarray(x.astype(jnp.bfloat16), np.float32)
-        diff = (np.asarray(param, np.float32) != rne) & ~nan
+        diff = (np.asarray(param, np.float32) != rne) & kept
         assert diff.any() and ((bits[diff] & 0xFFFF) == 0x8000).all()
 
 
@@ -538,8 +544,11 @@ def test_stored_moments_are_the_new_moments_rounded(moments):
     lay = layout(shape)
     for got, want in ((np.abs(m), np.abs(want_m)), (s, want_s)):
         gb, wb = got.reshape(16, lay.block), want.reshape(16, lay.block)
-        np.testing.assert_array_equal(gb.max(1), wb.max(1).astype(np.float32))
-        rel = gb / wb.max(1, keepdims=True)
+        # Exact on XLA:CPU; a TPU's float32 multiply and square root are a few ulps from
+        # correctly rounded (measured: 1 ulp), the reference's are correctly rounded.
+        np.testing.assert_array_max_ulp(gb.max(1), wb.max(1).astype(np.float32),
+                                        maxulp=0 if on_cpu() else 2)
+        rel = gb / gb.max(1, keepdims=True)    # no element above its block's scale
         step = {"fp16": 2.0 ** -10, "8bit": 2.0 ** -3, "4bit": 1.0}[moments]
         tiny = {"fp16": 2.0 ** -29, "8bit": 2.0 ** -14, "4bit": 2.0 ** -3.5}[moments]
         np.testing.assert_array_less(np.abs(gb - wb), (step * np.maximum(wb, 0) + tiny *

@@ -190,7 +190,7 @@ def test_nnx_state(maybe_jit):
 
 
 def test_equinox_module_keeps_non_array_leaves_fixed():
-    import equinox as eqx
+    eqx = pytest.importorskip("equinox")
 
     model = eqx.nn.MLP(8, 2, 16, 2, activation=jnp.tanh, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (8,), jnp.float32)
