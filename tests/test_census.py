@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lanes import in_turn
 from platforms import highest_precision
 from programs import (
     API,
@@ -351,8 +352,11 @@ _DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def _params():
-    """Every (program, dtype, eager/jit). The default run checks each program once, jitted, in
-    bf16 or fp16 (alternating along the table, so both dtypes run on half the programs); the
+    """Every (program, dtype, eager/jit). Each program has one checked combination, jitted,
+    in bf16 or fp16 (alternating along the table, so both dtypes run on half the programs).
+    The default run checks half of the programs so, in pairs (a bf16 one and an fp16 one),
+    which pairs depending on the lane (tests/lanes.py: each CI lane's are its own; issue 48);
+    the `slow` tier checks the others. The
     three other combinations of each program, and all four of the few `programs.HEAVY` ones, are
     marked `sweep` (`make test-all`)."""
     out = []
@@ -364,6 +368,8 @@ def _params():
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 if not (jit and dname == default) or name in HEAVY:
                     marks.append(pytest.mark.sweep)
+                elif not in_turn(i // 2, 2):
+                    marks.append(pytest.mark.slow)
                 out.append(pytest.param(name, dname, jit, marks=marks,
                                         id=f"{name}-{dname}-{'jit' if jit else 'eager'}"))
     return out

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from lanes import LANE_SEED
 from platforms import cpu_only, highest_precision
 from programs import ALL, PROGRAMS
 
@@ -110,13 +111,18 @@ def test_report_bitwise_equal_count(capsys):
 
 
 def _low_precision_params():
-    """Every program in bf16 and fp16, jitted; eagerly in its `_EAGER_DTYPE` only (the other
-    eager runs `slow`)."""
+    """Every program in bf16 and fp16, jitted and eagerly. The default suite runs each program
+    jitted in one of the two, alternating along the table from a place that depends on the
+    lane (tests/lanes.py: each CI lane's halves are its own), and eagerly in its
+    `_EAGER_DTYPE` (in turn, tests/conftest.py); the other runs are `slow`. Both dtypes run in
+    every lane, each on half the programs; the `slow` tier runs every combination."""
     out = []
-    for name in ALL:
+    for i, name in enumerate(ALL):
+        jitted = ("bf16", "fp16")[(i + LANE_SEED) % 2]
         for dname, dtype in (("bf16", jnp.bfloat16), ("fp16", jnp.float16)):
             for jit in (False, True):
-                marks = [] if jit or _EAGER_DTYPE[name] == dname else [pytest.mark.slow]
+                default = dname == jitted if jit else _EAGER_DTYPE[name] == dname
+                marks = [] if default else [pytest.mark.slow]
                 out.append(pytest.param(name, dtype, jit, marks=marks,
                                         id=f"{'jit' if jit else 'eager'}-{dname}-{name}"))
     return out

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from lanes import LANE_SEED
 from platforms import cpu_only, highest_precision
 
 import hifigrad as hg
@@ -498,21 +499,25 @@ def _assert_close(got, want):
 
 
 def _eager_rotated(names, wrappers, skip=()):
-    """(name, wrapper, jit) for every block under every wrapper, jitted; and eagerly under one
-    wrapper per block, taking the wrappers in turn along the blocks (each wrapper runs some
-    blocks eagerly), the other eager runs `slow`. The slicing decision and the sliced
-    backward's program are made from the block's jaxpr, traced the same way whether the
-    gradient is then jitted or run eagerly; what eager adds is running that backward one
-    operation at a time (and the eager form of the slice check, its error raised directly),
-    which one wrapper per block exercises."""
-    out, turn = [], 0
-    for name in names:
+    """(name, wrapper, jit) for every block under every wrapper, jitted and eagerly. The
+    default suite runs each block jitted under two wrappers (all of them where there are two)
+    and eagerly under the first of those, taking the wrappers in turn along the blocks from a
+    place that depends on the lane (tests/lanes.py), so that every wrapper runs some blocks
+    each way in every lane; the other runs are `slow`. The slicing decision and the sliced
+    backward's program are made from the block's jaxpr, traced the same way whichever entry
+    point wraps it and whether the gradient is then jitted or run eagerly (one engine); what
+    eager adds is running that backward one operation at a time (and the eager form of the
+    slice check, its error raised directly), which one wrapper per block exercises."""
+    out = []
+    for b, name in enumerate(names):
         kept = [w for w in wrappers if (name, w) not in skip]
-        eager = kept[turn % len(kept)]
-        turn += 1
+        first = (b + LANE_SEED) % len(kept)
+        eager = kept[first]
+        jitted = {eager, kept[(first + 1) % len(kept)]}
         for wrapper in wrappers:
             for jit in (False, True):
-                marks = [] if jit or wrapper == eager else [pytest.mark.slow]
+                default = wrapper in jitted if jit else wrapper == eager
+                marks = [] if default else [pytest.mark.slow]
                 out.append(pytest.param(name, wrapper, jit, marks=marks,
                                         id=f"{'jit' if jit else 'eager'}-{name}-{wrapper}"))
     return out
@@ -658,13 +663,14 @@ def test_outputs_independent_of_the_batch_take_their_cotangent_once(maybe_jit):
 # Random blocks (`fuzz_blocks.py`): every one either is not sliced or has a sliced backward
 # equal to `jax.vjp`'s (`fuzz_blocks.check`), and every block made of row-wise operations
 # only is sliced. The default run checks the first DEFAULT_PROGRAMS of a fixed sequence of
-# programs (about 40 s on 2 cores), a sequence of its own for each JAX release and Python (the
+# programs (about 25 s on 2 cores), a sequence of its own for each JAX release and Python (the
 # seed is theirs: each CI lane checks other programs, reproducibly; HIFIGRAD_FUZZ_SEED=S picks
-# another sequence); the `slow` tier checks the next DEFAULT_PROGRAMS of the same sequence (so
-# the lane that runs it checks the 400 the default run checked before the tiers), and
+# another sequence); the `slow` tier checks the next SLOW_PROGRAMS of the same sequence (so
+# the lane that runs it checks 300 of them), and
 # ``HIFIGRAD_FUZZ_EXAMPLES=N`` runs N random ones in the `sweep` long version.
 
-DEFAULT_PROGRAMS = 200
+DEFAULT_PROGRAMS = 100
+SLOW_PROGRAMS = 200
 DEFAULT_SEED = int(os.environ.get("HIFIGRAD_FUZZ_SEED") or zlib.crc32(
     f"jax {jax.__version__} python {sys.version_info[0]}.{sys.version_info[1]}".encode()))
 LONG_PROGRAMS = int(os.environ.get("HIFIGRAD_FUZZ_EXAMPLES", "0") or 0)
@@ -714,9 +720,9 @@ def test_fuzzed_blocks_are_sliced_only_where_exact(monkeypatch):
 
 @pytest.mark.slow
 def test_fuzzed_blocks_next_in_sequence(monkeypatch):
-    """The next DEFAULT_PROGRAMS programs of DEFAULT_SEED's sequence (the slow tier)."""
-    sliced = _fuzz(DEFAULT_PROGRAMS, DEFAULT_SEED, monkeypatch, start=DEFAULT_PROGRAMS)
-    assert sliced >= DEFAULT_PROGRAMS // 4, sliced
+    """The next SLOW_PROGRAMS programs of DEFAULT_SEED's sequence (the slow tier)."""
+    sliced = _fuzz(SLOW_PROGRAMS, DEFAULT_SEED, monkeypatch, start=DEFAULT_PROGRAMS)
+    assert sliced >= SLOW_PROGRAMS // 4, sliced
 
 
 @pytest.mark.sweep
@@ -730,7 +736,8 @@ def test_fuzzed_blocks_long(monkeypatch):
 # identity) about 3 in 100 such programs got a wrong gradient on jax 0.12.0.1; with it, none
 # (and in about 2 in 100 `jax.jit(jax.grad)` of the plain block was the wrong one). The default
 # run checks the first COMPILED_PROGRAMS of DEFAULT_SEED's sequence, the slow tier the next ones.
-COMPILED_PROGRAMS = 20
+COMPILED_PROGRAMS = 10
+SLOW_COMPILED_PROGRAMS = 20
 COMPILED_SHAPES = [(16, 32, 4), (8, 32, 4), (16, 16, 4), (4, 64, 4), (16, 32, 8), (32, 32, 4),
                    (16, 128, 4), (8, 64, 8)]
 
@@ -765,8 +772,9 @@ def test_fuzzed_chooser_blocks_compiled(monkeypatch):
 
 @pytest.mark.slow
 def test_fuzzed_chooser_blocks_compiled_next_in_sequence(monkeypatch):
-    """The next COMPILED_PROGRAMS chooser blocks of DEFAULT_SEED's sequence (the slow tier)."""
-    assert _fuzz_compiled(COMPILED_PROGRAMS, DEFAULT_SEED, monkeypatch,
+    """The next SLOW_COMPILED_PROGRAMS chooser blocks of DEFAULT_SEED's sequence (the slow
+    tier)."""
+    assert _fuzz_compiled(SLOW_COMPILED_PROGRAMS, DEFAULT_SEED, monkeypatch,
                           start=COMPILED_PROGRAMS) >= 1
 
 

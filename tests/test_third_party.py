@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import third_party_models as tpm
+from lanes import in_turn
 
 import hifigrad as hg
 
@@ -121,9 +122,11 @@ def require(*modules):
 FILTERS = {"qwix_dense": "ignore:'VariableState' was removed:DeprecationWarning"}
 
 
-# A diffrax solve takes several seconds of compile time per gradient (three per case): the
-# jitted runs stay in the default suite (each adjoint once, issue 9), the eager ones are slow.
-SLOW: set[str] = set()
+# A diffrax solve takes several seconds of compile time per gradient (three per case; the
+# three adjoints were 51 s of a lane's default suite on jax 0.10.2): the default suite runs one
+# adjoint jitted, in turn by lane (tests/lanes.py: each JAX release's full lane another), the
+# `slow` tier every adjoint (issue 9) jitted and eagerly.
+ROTATED = ["diffrax_recursive_checkpoint", "diffrax_direct", "diffrax_backsolve"]
 
 
 def _params():
@@ -131,7 +134,7 @@ def _params():
         marks = []
         if name in FILTERS:
             marks.append(pytest.mark.filterwarnings(FILTERS[name]))
-        if name in SLOW:
+        if name in ROTATED and not in_turn(ROTATED.index(name), len(ROTATED)):
             marks.append(pytest.mark.slow)
         yield pytest.param(name, id=name, marks=marks)
 
