@@ -54,11 +54,10 @@ def _is_eager(item) -> bool:
 # `n` in the default suite, taken in turn along the module in collection order, which one of
 # each `n` depending on the lane (tests/lanes.py: each JAX release's full lane runs others); the
 # others are marked `slow` (CI's slow lane runs them on every run). Every jitted case stays. The
-# eager path
-# differs from the jitted one only in running the same traced backward op by op (hifigrad traces
-# one backward program either way: `api._backward`), and these modules' eager cases were a large
-# part of their time (measured with --durations: test_checkpoint 120 of 255 s, test_compress 71
-# of 180 s on jax 0.10.2, 2 cores; test_rules' eager cases 367 of 446 s).
+# eager path differs from the jitted one only in running the same traced backward op by op
+# (hifigrad traces one backward program either way: `api._backward`), and these modules' eager
+# cases were a large part of their time (measured with --durations: test_checkpoint 120 of
+# 255 s, test_compress 71 of 180 s on jax 0.10.2, 2 cores; test_rules' eager cases 367 of 446 s).
 # Issue 48 (the default suite in 15 minutes per release) widened the turns: the eager cases were
 # 189 of the default suite's 1242 s on jax 0.12.1 (2 cores, 2 lanes side by side).
 _EAGER_IN_TURN_MODULES = {"test_checkpoint": 5, "test_compress": 5, "test_attention": 5,
