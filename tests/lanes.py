@@ -17,13 +17,20 @@ import zlib
 
 import jax
 
-__all__ = ["LANE_SEED", "in_turn"]
+__all__ = ["LANE_SEED", "RELEASE_SEED", "in_turn", "turn"]
 
-LANE_SEED = int(os.environ.get("HIFIGRAD_LANE_SEED") or zlib.crc32(
-    f"jax {jax.__version__} python {sys.version_info[0]}.{sys.version_info[1]}".encode()))
+# Fixed per JAX release and Python (also the separable fuzzer's default seed).
+RELEASE_SEED = zlib.crc32(
+    f"jax {jax.__version__} python {sys.version_info[0]}.{sys.version_info[1]}".encode())
+LANE_SEED = int(os.environ.get("HIFIGRAD_LANE_SEED") or RELEASE_SEED)
+
+
+def turn(i: int, n: int) -> int:
+    """Member `i`'s place (0 to n - 1) in this lane's turns of `n`."""
+    return (i + LANE_SEED) % n
 
 
 def in_turn(i: int, n: int) -> bool:
     """Whether member `i` of a family rotated in turns of `n` runs in this lane's default
     suite: exactly one of any `n` consecutive members does."""
-    return (i + LANE_SEED) % n == 0
+    return turn(i, n) == 0

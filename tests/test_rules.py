@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from lanes import LANE_SEED
+from lanes import turn
 from platforms import cpu_only, highest_precision
 from programs import ALL, PROGRAMS
 
@@ -118,7 +118,7 @@ def _low_precision_params():
     every lane, each on half the programs; the `slow` tier runs every combination."""
     out = []
     for i, name in enumerate(ALL):
-        jitted = ("bf16", "fp16")[(i + LANE_SEED) % 2]
+        jitted = ("bf16", "fp16")[turn(i, 2)]
         for dname, dtype in (("bf16", jnp.bfloat16), ("fp16", jnp.float16)):
             for jit in (False, True):
                 default = dname == jitted if jit else _EAGER_DTYPE[name] == dname
