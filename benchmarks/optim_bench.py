@@ -286,15 +286,18 @@ def update_cost(params, grads, repeats: int) -> dict:
                 else grads
             p = jax.tree.map(jnp.copy, params)
             state = tx.init(p)
+            t0 = time.perf_counter()
             compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, state, g).compile()
+            compile_s = time.perf_counter() - t0
             ma = compiled.memory_analysis()
             rows[config] = {"temp_bytes_per_param": ma.temp_size_in_bytes / n,
                             "arg_bytes_per_param": ma.argument_size_in_bytes / n,
-                            "times": []}
+                            "compile_s": compile_s, "times": []}
             p, state = compiled(p, state, g)   # warm
             jax.block_until_ready(p)
             steps[config] = [compiled, p, state, g]
-            print(f"  compiled {config}", flush=True)
+            print(f"  compiled {config} ({compile_s:.1f} s: trace, lower, compile)",
+                  flush=True)
         for _ in range(repeats):
             for config, entry in steps.items():
                 compiled, p, st, g = entry
@@ -304,12 +307,13 @@ def update_cost(params, grads, repeats: int) -> dict:
                 rows[config]["times"].append(time.perf_counter() - t0)
                 entry[1], entry[2] = p, st
     base = float(np.median(rows["f32-master"]["times"]))
+    print(f"  f32-master's update: {base * 1e3:.2f} ms (median of {repeats})", flush=True)
     for config, r in rows.items():
         r["time_ratio"] = float(np.median(r.pop("times"))) / base
         r["peak_bytes_per_param"] = r["arg_bytes_per_param"] + r["temp_bytes_per_param"]
         print(f"  {config:12s} {r['time_ratio']:5.2f}x time, args "
               f"{r['arg_bytes_per_param']:5.2f} + temp {r['temp_bytes_per_param']:5.2f} "
-              f"B/param", flush=True)
+              f"B/param, compiled in {r['compile_s']:.1f} s", flush=True)
     return {"n_params": n, "repeats": repeats, "f32_master_s": base, "rows": rows}
 
 
@@ -324,6 +328,7 @@ def update_costs(args, argv) -> dict:
                  for k, v in params.items()}
         print(f"update cost: synthetic, {n_params(params) / 1e6:.1f}M parameters", flush=True)
         result["runs"]["synthetic"] = update_cost(params, grads, args.repeats)
+        write_update_cost(result, args.out)   # after each run: a partial result survives
         del params, grads
     corpus = D.load_corpus(200_000) if args.models else None
     for model in filter(None, args.models.split(",")):
@@ -333,6 +338,7 @@ def update_costs(args, argv) -> dict:
             grads = jax.jit(hg.grad(loss))(params, batch, jax.random.key(0))
         print(f"update cost: {model}, {n_params(params) / 1e6:.2f}M parameters", flush=True)
         result["runs"][model] = update_cost(params, grads, max(args.repeats, 21))
+        write_update_cost(result, args.out)
     return result
 
 
@@ -350,16 +356,18 @@ def write_update_cost(result, out_dir):
              "f32-master's (CPU ratios: the cores are shared, read them to about 10%); "
              "*arguments*: parameters, state and gradients; *temp*: the compiled update's "
              "temporaries; *peak*: the two together (bytes per parameter, "
-             "`memory_analysis()`). f32-master's peak is 18 (2 + 12 + 4, no temporaries).",
-             ""]
+             "`memory_analysis()`). f32-master's peak is 18 (2 + 12 + 4, no temporaries). "
+             "*compile*: seconds to trace, lower and compile the update (one process, each "
+             "configuration once, in the order of the table).", ""]
     for name, run in result["runs"].items():
         lines += [f"## {name}: {run['n_params'] / 1e6:.2f}M parameters "
                   f"(f32-master's update: {run['f32_master_s'] * 1e3:.1f} ms)", "",
                   md_table(["configuration", "time / f32-master's", "arguments B/param",
-                            "temp B/param", "peak B/param"],
+                            "temp B/param", "peak B/param", "compile s"],
                            [[c, f"{r['time_ratio']:.2f}x", f"{r['arg_bytes_per_param']:.2f}",
                              f"{r['temp_bytes_per_param']:.2f}",
-                             f"{r['peak_bytes_per_param']:.2f}"]
+                             f"{r['peak_bytes_per_param']:.2f}",
+                             f"{r['compile_s']:.1f}" if "compile_s" in r else "-"]
                             for c, r in run["rows"].items()]), ""]
     env = result["env"]
     lines.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
@@ -385,7 +393,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     if args.update_cost:
-        write_update_cost(update_costs(args, argv), args.out)
+        update_costs(args, argv)
         return
     corpus = D.load_corpus(2_000_000)
     names = [c for c in configs(LR) if not args.configs or c in args.configs.split(",")]

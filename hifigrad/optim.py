@@ -374,9 +374,10 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
         if split8:  # the 24-bit masters, rounded stochastically
             leaves, tree = jax.tree.flatten(params)
             news = tree.flatten_up_to(new_master)
+            keys = _codes.step_keys(seed, state.count, len(leaves))
             new_master = jax.tree.unflatten(tree, [
-                _round_to_24_bits(m, _codes.leaf_bits32(seed, state.count, i, np.shape(p)))
-                if is_split(p) else m for i, (p, m) in enumerate(zip(leaves, news))])
+                _round_to_24_bits(m, _codes.leaf_bits32(k, np.shape(p)))
+                if is_split(p) else m for k, p, m in zip(keys, leaves, news)])
 
         def to_param(p, new, u):
             if not _is_low_precision(p):
@@ -524,11 +525,20 @@ class StochasticRoundingState(NamedTuple):
     inner: Any
 
 
-def _leaf_bits(seed, count, index: int, shape):
-    """uint16 random bits for leaf ``index`` at step ``count``: the top half of
-    `_codes.leaf_bits32` (a counter-based hash of each element's position, keyed by ``seed``,
+def _leaf_bits(key, shape):
+    """uint16 random bits for a leaf, from its key (`_codes.step_keys`): the top half of
+    `_codes.leaf_bits32` (a counter-based hash of each element's position, keyed by the seed,
     the step and the leaf: the same bits on every backend and under any sharding)."""
-    return (_codes.leaf_bits32(seed, count, index, shape) >> 16).astype(jnp.uint16)
+    return (_codes.leaf_bits32(key, shape) >> 16).astype(jnp.uint16)
+
+
+@jax.jit
+def _rounded_update(p, u, key):
+    """The update that moves bf16 ``p`` to ``p + u`` rounded stochastically with the bits of
+    ``key``: a nested jit, so that it is traced once per leaf shape (XLA inlines it)."""
+    p32 = jnp.asarray(p, jnp.float32)
+    new = round_to_bf16(p32 + u, "stochastic", _leaf_bits(key, np.shape(p)))
+    return new.astype(jnp.float32) - p32
 
 
 def stochastic_rounding(tx, seed: int = 0):
@@ -576,14 +586,12 @@ def stochastic_rounding(tx, seed: int = 0):
         leaves, tree = jax.tree.flatten(params)
         ups = tree.flatten_up_to(inner_updates)
         out = []
-        for i, (p, u) in enumerate(zip(leaves, ups)):
+        keys = _codes.step_keys(seed, state.count, len(leaves))
+        for key, p, u in zip(keys, leaves, ups):
             if jnp.result_type(p) != jnp.bfloat16:
                 out.append(u)
                 continue
-            p32 = jnp.asarray(p, jnp.float32)
-            new = round_to_bf16(p32 + jnp.asarray(u, jnp.float32), "stochastic",
-                                _leaf_bits(seed, state.count, i, np.shape(p)))
-            out.append(new.astype(jnp.float32) - p32)
+            out.append(_rounded_update(p, jnp.asarray(u, jnp.float32), key))
         return (jax.tree.unflatten(tree, out),
                 StochasticRoundingState(count=state.count + 1, inner=inner))
 
@@ -616,6 +624,15 @@ class AdamState(NamedTuple):
     count: Any
     mu: Any
     nu: Any
+
+
+@jax.jit
+def _bf16_moments(m, v, key):
+    """Both moments rounded to bf16 stochastically with the bits of ``key`` (a nested jit:
+    traced once per leaf shape)."""
+    bits = _codes.leaf_bits32(key, np.shape(m))
+    return (round_to_bf16(m, "stochastic", (bits & 0xFFFF).astype(jnp.uint16)),
+            round_to_bf16(v, "stochastic", (bits >> 16).astype(jnp.uint16)))
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -699,12 +716,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
         mus, nus = tree.flatten_up_to(state.mu), tree.flatten_up_to(state.nu)
         out, new_mu, new_nu = [], [], []
+        keys = _codes.step_keys(seed, count, len(leaves)) if moments != "float32" else ()
         for i, (g, m, v) in enumerate(zip(leaves, mus, nus)):
             g = jnp.asarray(g, jnp.float32)
             shape = np.shape(g)
             if coded(shape):
-                bits = _codes.leaf_bits32(seed, count, i, shape)
-                sm, sv, m, v = _codes.update(moments, g, m, v, bits, b1, b2)
+                sm, sv, m, v = _codes.leaf_update(moments, g, m, v, keys[i], b1, b2)
                 # the exact v_t >= (1 - b2) g_t**2: an element whose stored code was rounded
                 # to 0 in its block still divides by its own gradient's size
                 v = jnp.maximum(v, (1 - b2) * jnp.square(g))
@@ -712,9 +729,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 m = b1 * jnp.asarray(m, jnp.float32) + (1 - b1) * g
                 v = b2 * jnp.asarray(v, jnp.float32) + (1 - b2) * jnp.square(g)
                 if moments == "bf16":
-                    bits = _codes.leaf_bits32(seed, count, i, shape)
-                    sm = round_to_bf16(m, "stochastic", (bits & 0xFFFF).astype(jnp.uint16))
-                    sv = round_to_bf16(v, "stochastic", (bits >> 16).astype(jnp.uint16))
+                    sm, sv = _bf16_moments(m, v, keys[i])
                 else:
                     sm, sv = m, v
             # this step's update from its moments before they are rounded for storage

@@ -626,7 +626,7 @@ def test_both_block_views_give_the_same_moments(moments):
     mu, nu = codes.zeros(moments, shape)
     for step in range(3):
         g = jnp.asarray(rng.normal(size=shape) * np.logspace(-3, 0, 32), jnp.float32)
-        bits = codes.leaf_bits32(0, step, 0, shape)
+        bits = codes.leaf_bits32(codes.step_keys(0, step, 1)[0], shape)
         outs = [jax.jit(lambda g, mu, nu, b, split=split: codes._update(
             moments, g, mu, nu, b, b1=0.9, b2=0.999, split=split))(g, mu, nu, bits)
             for split in (True, False)]
@@ -729,7 +729,11 @@ def test_random_bits_are_uniform_and_keyed():
     (2**15 - 0.5, to 5 standard errors of 2**16 / sqrt(12 * 2**20)), neighbouring elements are
     uncorrelated (|r| < 5 / 2**10), and another seed, step or leaf gives other bits; the same
     arguments give the same bits, jitted or not."""
-    from hifigrad.optim import _leaf_bits
+    from hifigrad._src import optim_codes as codes
+    from hifigrad.optim import _leaf_bits as leaf_bits
+
+    def _leaf_bits(seed, step, leaf, shape):
+        return leaf_bits(codes.step_keys(seed, step, leaf + 1)[leaf], shape)
 
     shape = (1024, 1024)
     b = np.asarray(_leaf_bits(0, 3, 1, shape)).astype(np.int64)
@@ -744,3 +748,69 @@ def test_random_bits_are_uniform_and_keyed():
         assert np.mean(np.asarray(other) == b) < 0.01
     again = jax.jit(lambda c: _leaf_bits(0, c, 1, shape))(jnp.int32(3))
     np.testing.assert_array_equal(np.asarray(again), b)
+
+
+def test_step_keys_are_the_documented_hash():
+    """`step_keys` computes, behind one conditional, the keys the random bits always had:
+    hash32(hash32(seed ^ 0x9E3779B9) + step * 0x85EBCA6B + leaf * 0xC2B2AE35), checked
+    against the same hash in NumPy's uint32 arithmetic (so the bits, and every trained figure
+    drawn from them, are those of before the keys moved into the conditional)."""
+    from hifigrad._src import optim_codes as codes
+
+    def mix(v):  # Wellons' lowbias32 in NumPy
+        v = np.uint32(v)
+        with np.errstate(over="ignore"):
+            v ^= v >> np.uint32(16)
+            v = v * np.uint32(0x7FEB352D)
+            v ^= v >> np.uint32(15)
+            v = v * np.uint32(0x846CA68B)
+            return v ^ (v >> np.uint32(16))
+
+    for seed, step in ((0, 0), (0, 7), (123456789, 2 ** 31 + 5)):
+        keys = jax.jit(lambda c, seed=seed: codes.step_keys(seed, c, 5))(jnp.uint32(step))
+        eager = codes.step_keys(seed, jnp.uint32(step), 5)
+        with np.errstate(over="ignore"):
+            base = mix(np.uint32(seed) ^ np.uint32(0x9E3779B9)) + np.uint32(step) * np.uint32(
+                0x85EBCA6B)
+            want = [mix(base + np.uint32((i * 0xC2B2AE35) & 0xFFFFFFFF)) for i in range(5)]
+        assert [int(k) for k in keys] == [int(w) for w in want]
+        assert [int(k) for k in eager] == [int(w) for w in want]
+    assert codes.step_keys(0, 3, 0) == ()
+
+
+@pytest.mark.parametrize("moments", ["bf16", "8bit"])
+def test_leaves_of_one_shape_share_their_compiled_kernels(moments):
+    """A model of repeated blocks has many leaves of a few shapes. Each leaf's random bits are
+    keyed by its index; were that index a constant inside the kernels, every leaf's kernels
+    would differ and XLA would compile each (a coded update compiled several times slower than
+    optax's on such a model). Counted on the compiled program: the update of six leaves of one
+    shape has the distinct large kernels of one or two leaves, not of six."""
+    import re
+
+    tx = hg.optim.stochastic_rounding(hg.optim.adamw(1e-3, moments=moments))
+
+    def kernels(n):
+        params = {f"p{i}": jnp.zeros((64, 256), jnp.bfloat16) for i in range(n)}
+        grads = {k: jnp.ones((64, 256), jnp.float32) for k in params}
+
+        def step(p, s, g):
+            with jax.numpy_dtype_promotion("standard"):
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+        hlo = jax.jit(step).lower(params, tx.init(params), grads).compile().as_text()
+        bodies = set()
+        for block in hlo.split("\n\n"):
+            lines = block.strip().split("\n")
+            # the leaves' elementwise kernels (the scalar keys' own, behind the
+            # conditional, are a dozen lines each and one per leaf by design)
+            if not lines[0].lstrip("%").startswith("fused_computation") or len(lines) < 40:
+                continue
+            body = "\n".join(re.sub(r"%[\w.\-]+", "%v", ln.split(", metadata")[0])
+                             for ln in lines[1:])
+            bodies.add(body)
+        return len(bodies)
+
+    one, six = kernels(1), kernels(6)
+    assert one >= 1
+    assert six <= 2 * one, (one, six)

@@ -38,8 +38,10 @@ temporary of the moments' size.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -96,15 +98,34 @@ def to_blocks(x, lay: Layout, view=None):
 hash32 = _mix32  # Wellons' "lowbias32", as the codecs' dither: exact integer arithmetic
 
 
-def leaf_bits32(seed, count, index: int, shape):
-    """uint32 random bits for leaf ``index`` at step ``count``: a counter-based hash of each
-    element's position in the leaf, keyed by ``seed``, the step and the leaf (two rounds of
-    `hash32`). Exact integer arithmetic: the same bits on every backend and under any
-    sharding (the position is the element's in the whole array); elementwise, so it fuses
-    with the rounding that uses it."""
+def step_keys(seed, count, n: int) -> tuple:
+    """The keys of ``n`` leaves' random bits at step ``count`` (`leaf_bits32`'s ``key``):
+    ``hash32(hash32(seed ^ golden) + step * c1 + leaf * c2)`` for leaves 0 .. n-1.
+
+    Each is taken out of the vector of all ``n`` by a reduction, for the compiler's sake: XLA
+    fuses a scalar computation into every elementwise kernel that reads it, so a leaf's
+    index, a constant, would make each leaf's kernels distinct, and XLA:CPU compiles each
+    kernel it has not seen (LLVM). A reduction is not fused into its readers: the kernels read
+    the key as a value, and leaves of one shape share their compiled kernels, so that a model
+    of repeated blocks compiles its update about as often as it has distinct shapes, not
+    leaves (as an optax update of plain float32 arithmetic does)."""
+    if n == 0:
+        return ()
     step = jnp.asarray(count).astype(jnp.uint32)
-    key = hash32(hash32(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9))
-                 + step * jnp.uint32(0x85EBCA6B) + jnp.uint32((index * 0xC2B2AE35) & 0xFFFFFFFF))
+    base = hash32(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9)) \
+        + step * jnp.uint32(0x85EBCA6B)
+    leaf = lax.iota(jnp.uint32, n)
+    keys = hash32(base + leaf * jnp.uint32(0xC2B2AE35))
+    return tuple(lax.reduce(jnp.where(leaf == i, keys, jnp.uint32(0)), np.uint32(0),
+                            lax.bitwise_or, (0,)) for i in range(n))
+
+
+def leaf_bits32(key, shape):
+    """uint32 random bits for a leaf of this shape, from its key (`step_keys`): a
+    counter-based hash of each element's position in the leaf, keyed by the seed, the step
+    and the leaf (two rounds of `hash32`). Exact integer arithmetic: the same bits on every
+    backend and under any sharding (the position is the element's in the whole array);
+    elementwise, so it fuses with the rounding that uses it."""
     pos = jnp.zeros(shape, jnp.uint32)
     stride = 1
     for d in reversed(range(len(shape))):
@@ -323,6 +344,20 @@ def update(kind: str, g, mu, nu, bits, b1: float, b2: float):
         return lambda *args: _update(kind, *args, b1=b1, b2=b2, split=split)
 
     return lax.platform_dependent(g, mu, nu, bits, cpu=on(True), default=on(False))
+
+
+def leaf_update(kind: str, g, mu, nu, key, b1: float, b2: float):
+    """`update` of one leaf with its random bits from ``key`` (`step_keys`), traced once per
+    leaf shape: a nested ``jax.jit`` (XLA inlines it), so that a model of many leaves of a
+    few shapes traces and lowers the coded update a few times, not once per leaf."""
+    return _leaf_update_fn(kind, float(b1), float(b2))(g, mu, nu, key)
+
+
+@functools.cache
+def _leaf_update_fn(kind, b1, b2):
+    def leaf(g, mu, nu, key):
+        return update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), b1, b2)
+    return jax.jit(leaf)
 
 
 def _update(kind, g, mu, nu, bits, *, b1, b2, split):
