@@ -814,3 +814,38 @@ def test_leaves_of_one_shape_share_their_compiled_kernels(moments):
     one, six = kernels(1), kernels(6)
     assert one >= 1
     assert six <= 2 * one, (one, six)
+
+
+@pytest.mark.parametrize("moments", ["float32", "bf16", "8bit", "4bit"])
+def test_inject_hyperparams_equals_the_plain_optimizer(moments):
+    """`optax.inject_hyperparams(hg.optim.adamw)` makes every number an array, the seed and
+    Adam's rates included (the seed failed there: "An overflow was encountered while parsing
+    an argument"): it trains as the plain optimizer does, bit for bit, with rates whose float32
+    arithmetic is exact (1 - b1 and 1 - b2 computed in float32 or in Python give one value)."""
+    hyper = dict(learning_rate=2.0 ** -10, b1=0.875, b2=1 - 2.0 ** -7, eps=2.0 ** -20,
+                 weight_decay=2.0 ** -4, moments=moments, seed=3)
+    plain = hg.optim.stochastic_rounding(hg.optim.adamw(**hyper), seed=5)
+    injected = hg.optim.stochastic_rounding(
+        optax.inject_hyperparams(hg.optim.adamw, static_args=("moments",))(**hyper), seed=5)
+    rng = np.random.default_rng(4)
+    p0 = {"w": jnp.asarray(rng.normal(size=(32, 128)) * 0.1, jnp.bfloat16),
+          "b": jnp.asarray(rng.normal(size=(16,)) * 0.1, jnp.bfloat16)}
+    out = []
+    for tx in (plain, injected):
+        p, state = p0, tx.init(p0)
+
+        @jax.jit
+        def step(p, state, g, tx=tx):
+            with jax.numpy_dtype_promotion("standard"):
+                u, state = tx.update(g, state, p)
+                return optax.apply_updates(p, u), state
+
+        for i in range(4):
+            g = jax.tree.map(lambda x, i=i: jnp.asarray(
+                np.random.default_rng(10 + i).normal(size=x.shape), jnp.float32), p0)
+            p, state = step(p, state, g)
+        out.append(p)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
+    assert not np.array_equal(np.asarray(out[0]["w"], np.float32), np.asarray(p0["w"], np.float32))

@@ -112,8 +112,10 @@ def step_keys(seed, count, n: int) -> tuple:
     if n == 0:
         return ()
     step = jnp.asarray(count).astype(jnp.uint32)
-    base = hash32(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9)) \
-        + step * jnp.uint32(0x85EBCA6B)
+    # a Python int, or an array (optax.inject_hyperparams makes every number one)
+    seed = jnp.uint32(seed & 0xFFFFFFFF) if isinstance(seed, int) else \
+        jnp.asarray(seed).astype(jnp.uint32)
+    base = hash32(seed ^ jnp.uint32(0x9E3779B9)) + step * jnp.uint32(0x85EBCA6B)
     leaf = lax.iota(jnp.uint32, n)
     keys = hash32(base + leaf * jnp.uint32(0xC2B2AE35))
     return tuple(lax.reduce(jnp.where(leaf == i, keys, jnp.uint32(0)), np.uint32(0),
@@ -350,13 +352,21 @@ def leaf_update(kind: str, g, mu, nu, key, b1: float, b2: float):
     """`update` of one leaf with its random bits from ``key`` (`step_keys`), traced once per
     leaf shape: a nested ``jax.jit`` (XLA inlines it), so that a model of many leaves of a
     few shapes traces and lowers the coded update a few times, not once per leaf."""
-    return _leaf_update_fn(kind, float(b1), float(b2))(g, mu, nu, key)
+    try:
+        static = float(b1), float(b2)
+    except TypeError:  # traced (optax.inject_hyperparams): arguments of the jitted update
+        return _leaf_update_fn(kind, None)(g, mu, nu, key, b1, b2)
+    return _leaf_update_fn(kind, static)(g, mu, nu, key)
 
 
 @functools.cache
-def _leaf_update_fn(kind, b1, b2):
-    def leaf(g, mu, nu, key):
-        return update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), b1, b2)
+def _leaf_update_fn(kind, static):
+    if static is None:
+        def leaf(g, mu, nu, key, b1, b2):
+            return update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), b1, b2)
+    else:
+        def leaf(g, mu, nu, key):
+            return update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), *static)
     return jax.jit(leaf)
 
 
