@@ -751,10 +751,10 @@ def test_random_bits_are_uniform_and_keyed():
 
 
 def test_step_keys_are_the_documented_hash():
-    """`step_keys` computes, behind one conditional, the keys the random bits always had:
-    hash32(hash32(seed ^ 0x9E3779B9) + step * 0x85EBCA6B + leaf * 0xC2B2AE35), checked
-    against the same hash in NumPy's uint32 arithmetic (so the bits, and every trained figure
-    drawn from them, are those of before the keys moved into the conditional)."""
+    """`step_keys` computes, each key taken out of one vector by a reduction, the keys the
+    random bits always had: hash32(hash32(seed ^ 0x9E3779B9) + step * 0x85EBCA6B + leaf *
+    0xC2B2AE35), checked against the same hash in NumPy's uint32 arithmetic (so the bits, and
+    every trained figure drawn from them, are those of before the keys became reductions)."""
     from hifigrad._src import optim_codes as codes
 
     def mix(v):  # Wellons' lowbias32 in NumPy
@@ -802,8 +802,8 @@ def test_leaves_of_one_shape_share_their_compiled_kernels(moments):
         bodies = set()
         for block in hlo.split("\n\n"):
             lines = block.strip().split("\n")
-            # the leaves' elementwise kernels (the scalar keys' own, behind the
-            # conditional, are a dozen lines each and one per leaf by design)
+            # the leaves' elementwise kernels (the keys' own reductions are a dozen lines
+            # each and one per leaf by design)
             if not lines[0].lstrip("%").startswith("fused_computation") or len(lines) < 40:
                 continue
             body = "\n".join(re.sub(r"%[\w.\-]+", "%v", ln.split(", metadata")[0])
