@@ -59,12 +59,13 @@ def _is_eager(item) -> bool:
 # cases were a large part of their time (measured with --durations: test_checkpoint 120 of
 # 255 s, test_compress 71 of 180 s on jax 0.10.2, 2 cores; test_rules' eager cases 367 of 446 s).
 # Issue 48 (the default suite in 15 minutes per release) widened the turns: the eager cases were
-# 189 of the default suite's 1242 s on jax 0.12.1 (2 cores, 2 lanes side by side).
-_EAGER_IN_TURN_MODULES = {"test_checkpoint": 5, "test_compress": 5, "test_attention": 5,
-                          "test_rules": 5, "test_separable": 4, "test_codecs": 4, "test_api": 3,
-                          "test_coefficients": 3, "test_optim": 3, "test_report": 3,
-                          "test_interpreter": 3, "test_build": 2, "test_flax": 3,
-                          "test_equinox": 3}
+# 189 of the default suite's 1242 s on jax 0.12.1 (2 cores, 2 lanes side by side), then 279 of
+# 2276 s on jax 0.10.2 (its `--durations`, lanes side by side), and the turns doubled again.
+_EAGER_IN_TURN_MODULES = {"test_checkpoint": 10, "test_compress": 10, "test_attention": 10,
+                          "test_rules": 10, "test_separable": 8, "test_codecs": 8, "test_api": 6,
+                          "test_coefficients": 6, "test_optim": 6, "test_report": 6,
+                          "test_interpreter": 6, "test_build": 4, "test_flax": 6,
+                          "test_equinox": 6, "test_bad_inputs": 4}
 
 
 def _eager_in_turn(items):
@@ -89,7 +90,45 @@ def pytest_collection_modifyitems(config, items):
     keeps the ``HIFIGRAD_TEST_CHUNK`` chunk (`_keep_chunk`) of what `-m` / `-k` selected."""
     _eager_in_turn(items)
     yield
+    _keep_turns(config, items)
     _keep_chunk(config, items)
+
+
+def _turns(spec: str) -> dict:
+    turns = {}
+    for part in spec.replace(",", " ").split():
+        module, _, n = part.partition("=")
+        try:
+            turns[module] = int(n)
+        except ValueError:
+            turns[module] = 0
+        if not module.startswith("test_") or turns[module] < 1:
+            raise pytest.UsageError(
+                f"HIFIGRAD_TURNS must be 'test_module=n ...' with n >= 1, got {spec!r}")
+    return turns
+
+
+def _keep_turns(config, items):
+    """``HIFIGRAD_TURNS="test_module=n ..."`` keeps one in `n` of each named module's selected
+    tests, in collection order, which one of each `n` depending on the lane (tests/lanes.py:
+    each JAX release keeps its own share, reproducibly). `make test-subset` uses it: CI runs the
+    subset on four releases, so each of their cases runs on some of them, and every case on the
+    releases tested in full."""
+    spec = os.environ.get("HIFIGRAD_TURNS", "").strip()
+    if not spec:
+        return
+    turns, seen, kept, deselected = _turns(spec), {}, [], []
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        n = turns.get(module)
+        if n is None:
+            kept.append(item)
+            continue
+        i = seen[module] = seen.get(module, -1) + 1
+        (kept if in_turn(i, n) else deselected).append(item)
+    items[:] = kept
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
 
 
 def _keep_chunk(config, items):

@@ -1,12 +1,16 @@
 """`make tpu-check`'s pieces on CPU: HIFIGRAD_TEST_CHUNK=i/n splits the selected tests into n
 contiguous slices, each test in exactly one; benchmarks/tpu_bench.py runs at a tiny size and
-writes its tables."""
+writes its tables. Also `make test-subset`'s HIFIGRAD_TURNS (tests/conftest.py): one in n of a
+module's tests, each lane its own share."""
 
 import json
 import os
 import subprocess
 import sys
+import types
 
+import conftest
+import lanes
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,17 +28,69 @@ def _collect(chunk=None):
     return proc, [ln for ln in proc.stdout.splitlines() if "::" in ln]
 
 
+class _Config:
+    """What the selection hooks use of pytest's config: the deselection hook."""
+
+    def __init__(self):
+        self.deselected = []
+        self.hook = types.SimpleNamespace(
+            pytest_deselected=lambda items: self.deselected.extend(items))
+
+
+def _items(modules):
+    return [types.SimpleNamespace(module=types.SimpleNamespace(__name__=f"tests.{m}"), i=i)
+            for i, m in enumerate(modules)]
+
+
+def _keep(keep, env, value, items):
+    config, kept = _Config(), list(items)
+    old = os.environ.get(env)
+    os.environ[env] = value
+    try:
+        keep(config, kept)
+    finally:
+        if old is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = old
+    assert sorted(x.i for x in kept + config.deselected) == [x.i for x in items]
+    return kept
+
+
 def test_chunks_partition_the_selected_tests():
-    _, full = _collect()
-    assert len(full) > 5
-    parts = [_collect(f"{i}/3")[1] for i in (1, 2, 3)]
-    assert sum(parts, []) == full  # contiguous, in order, each test once
-    assert all(parts)
+    items = _items(["test_a"] * 7 + ["test_b"] * 4)
+    for n in (1, 3, 11, 12):
+        parts = [_keep(conftest._keep_chunk, "HIFIGRAD_TEST_CHUNK", f"{i}/{n}", items)
+                 for i in range(1, n + 1)]
+        assert sum(parts, []) == items  # contiguous, in order, each test once
+        assert all(len(p) in (len(items) // n, -(-len(items) // n)) for p in parts)
 
 
 def test_a_bad_chunk_is_a_usage_error():
     proc, _ = _collect("4/3")
     assert proc.returncode != 0 and "HIFIGRAD_TEST_CHUNK" in proc.stdout + proc.stderr
+
+
+def test_turns_keep_one_in_n_of_the_named_modules(monkeypatch):
+    """Each named module keeps one in n of its tests, in order; the lane seeds' n turns
+    partition them; other modules keep every test."""
+    items = _items(["test_a"] * 7 + ["test_b"] * 5 + ["test_c"] * 3)
+    shares = []
+    for seed in range(3):
+        monkeypatch.setattr(lanes, "LANE_SEED", seed)
+        kept = _keep(conftest._keep_turns, "HIFIGRAD_TURNS", "test_a=3,test_c=1", items)
+        assert [x for x in kept if x.module.__name__ == "tests.test_b"] == items[7:12]
+        assert items[12:] == [x for x in kept if x.module.__name__ == "tests.test_c"]
+        a = [x.i for x in kept if x.module.__name__ == "tests.test_a"]
+        assert len(a) in (2, 3) and all(j - i == 3 for i, j in zip(a, a[1:]))
+        shares.append(a)
+    assert sorted(sum(shares, [])) == list(range(7))
+
+
+def test_a_bad_turn_is_a_usage_error():
+    for spec in ("test_a", "test_a=0", "a=2", "test_a=x"):
+        with pytest.raises(pytest.UsageError, match="HIFIGRAD_TURNS"):
+            _keep(conftest._keep_turns, "HIFIGRAD_TURNS", spec, _items(["test_a"]))
 
 
 # The benchmark at a tiny size in a fresh interpreter (about a minute on 2 cores): `slow`, as the
