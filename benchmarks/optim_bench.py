@@ -52,7 +52,14 @@ jitted, parameters and state donated) on ``--update-params`` synthetic bf16 para
 (default 33.6M; ``--update-params 134e6`` for a 100M+ run on an accelerator) and on both
 models' own parameters: each configuration's time as a ratio to the float32 master's,
 measured side by side, and its arguments and temporaries from ``memory_analysis()``. It
-writes ``optim_update_<backend>.md`` and ``.json``.
+writes ``optim_update_<backend><--out-suffix>.md`` and ``.json``. ``--configs`` takes a subset
+(f32-master, the reference, always runs); ``--kernels auto,xla`` measures each block-coded
+configuration twice, as it runs by default (on a TPU the Pallas kernel,
+``hifigrad/_src/optim_pallas.py``) and on the XLA path, side by side::
+
+    PYTHONPATH=. python benchmarks/optim_bench.py --update-cost --update-params 60e6 \
+        --models '' --configs sr+8bit,sr+4bit,split+fp16 --kernels auto,xla --repeats 9 \
+        --out-suffix _pallas
 """
 
 from __future__ import annotations
@@ -265,17 +272,27 @@ def synthetic_shapes(n_params: float):
     return unit * max(1, int(round(n_params / per)))
 
 
-def update_cost(params, grads, repeats: int) -> dict:
+def update_cost(params, grads, repeats: int, names=None, kernels=("auto",)) -> dict:
     """The optimizer update alone (``tx.update`` and ``optax.apply_updates`` on bf16
     parameters and float32 gradients, jitted, parameters and state donated as a training step
     does): time of each configuration as a ratio to ``f32-master``'s, measured side by side
     (each configuration's step timed in turn, ``repeats`` rounds, the median of each), and
     its compiled arguments and temporaries (bytes per parameter) from ``memory_analysis()``."""
+    from hifigrad._src import optim_codes
+
     n = n_params(params)
     steps, rows = {}, {}
+    runs = []   # (row name, configuration, kernel mode)
+    for config in configs(1e-3):
+        if names and config not in names:
+            continue
+        coded = any(k in config for k in optim_codes.KINDS)
+        for mode in (kernels if coded else ("auto",)):
+            label = {"auto": "", "xla": " (xla)", "interpret": " (interpret)"}[mode]
+            runs.append((config + (label if len(kernels) > 1 else ""), config, mode))
     with jax.numpy_dtype_promotion("standard"):
-        for config, make in configs(1e-3).items():
-            tx = make()
+        for row, config, mode in runs:
+            tx = configs(1e-3)[config]()
 
             def step(params, state, grads, tx=tx):
                 updates, state = tx.update(grads, state, params)
@@ -287,16 +304,17 @@ def update_cost(params, grads, repeats: int) -> dict:
             p = jax.tree.map(jnp.copy, params)
             state = tx.init(p)
             t0 = time.perf_counter()
-            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, state, g).compile()
+            with optim_codes.kernel(mode):   # read while tracing
+                compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, state, g).compile()
             compile_s = time.perf_counter() - t0
             ma = compiled.memory_analysis()
-            rows[config] = {"temp_bytes_per_param": ma.temp_size_in_bytes / n,
+            rows[row] = {"temp_bytes_per_param": ma.temp_size_in_bytes / n,
                             "arg_bytes_per_param": ma.argument_size_in_bytes / n,
                             "compile_s": compile_s, "times": []}
             p, state = compiled(p, state, g)   # warm
             jax.block_until_ready(p)
-            steps[config] = [compiled, p, state, g]
-            print(f"  compiled {config} ({compile_s:.1f} s: trace, lower, compile)",
+            steps[row] = [compiled, p, state, g]
+            print(f"  compiled {row} ({compile_s:.1f} s: trace, lower, compile)",
                   flush=True)
         for _ in range(repeats):
             for config, entry in steps.items():
@@ -319,6 +337,11 @@ def update_cost(params, grads, repeats: int) -> dict:
 
 def update_costs(args, argv) -> dict:
     result = {"env": env_info(sys.argv if argv is None else argv), "runs": {}}
+    names = [c for c in args.configs.split(",") if c] or None
+    if names and "f32-master" not in names:
+        names = ["f32-master", *names]   # the reference of the ratios
+    kernels = tuple(args.kernels.split(","))
+    result["suffix"] = args.out_suffix
     rng = np.random.default_rng(0)
     if args.update_params:
         shapes = synthetic_shapes(args.update_params)
@@ -327,7 +350,8 @@ def update_costs(args, argv) -> dict:
         grads = {k: jnp.asarray(rng.normal(size=v.shape) * 1e-3, jnp.float32)
                  for k, v in params.items()}
         print(f"update cost: synthetic, {n_params(params) / 1e6:.1f}M parameters", flush=True)
-        result["runs"]["synthetic"] = update_cost(params, grads, args.repeats)
+        result["runs"]["synthetic"] = update_cost(params, grads, args.repeats, names,
+                                                  kernels)
         write_update_cost(result, args.out)   # after each run: a partial result survives
         del params, grads
     corpus = D.load_corpus(200_000) if args.models else None
@@ -337,7 +361,8 @@ def update_costs(args, argv) -> dict:
         with jax.numpy_dtype_promotion("standard"):
             grads = jax.jit(hg.grad(loss))(params, batch, jax.random.key(0))
         print(f"update cost: {model}, {n_params(params) / 1e6:.2f}M parameters", flush=True)
-        result["runs"][model] = update_cost(params, grads, max(args.repeats, 21))
+        result["runs"][model] = update_cost(params, grads, max(args.repeats, 21), names,
+                                            kernels)
         write_update_cost(result, args.out)
     return result
 
@@ -345,7 +370,7 @@ def update_costs(args, argv) -> dict:
 def write_update_cost(result, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     backend = result["env"].get("backend", jax.default_backend())
-    base = os.path.join(out_dir, f"optim_update_{backend}")
+    base = os.path.join(out_dir, f"optim_update_{backend}{result.get('suffix', '')}")
     write_json(base + ".json", result)
     lines = [f"# The optimizer update's cost: hifigrad.optim's configurations ({backend})", "",
              "Written by `PYTHONPATH=. python benchmarks/optim_bench.py --update-cost` (see "
@@ -359,6 +384,12 @@ def write_update_cost(result, out_dir):
              "`memory_analysis()`). f32-master's peak is 18 (2 + 12 + 4, no temporaries). "
              "*compile*: seconds to trace, lower and compile the update (one process, each "
              "configuration once, in the order of the table).", ""]
+    if any(" (xla)" in c for run in result["runs"].values() for c in run["rows"]):
+        lines += ["Block-coded configurations are measured twice (`--kernels auto,xla`): as "
+                  "they run by default (on a TPU, the Pallas kernel of "
+                  "`hifigrad/_src/optim_pallas.py` for leaves of blocks of 128 in their last "
+                  "axis, the XLA path for the others), and *(xla)*: every leaf on the XLA "
+                  "path (`optim_codes.kernel(\"xla\")`).", ""]
     for name, run in result["runs"].items():
         lines += [f"## {name}: {run['n_params'] / 1e6:.2f}M parameters "
                   f"(f32-master's update: {run['f32_master_s'] * 1e3:.1f} ms)", "",
@@ -391,6 +422,12 @@ def main(argv=None):
     ap.add_argument("--update-params", type=float, default=33.6e6,
                     help="with --update-cost: synthetic parameters (0: the models' only)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--kernels", default="auto",
+                    help="with --update-cost: the block-coded update's implementations, "
+                         "comma-separated, each coded configuration measured with each: "
+                         "auto (the Pallas kernel on a TPU, XLA elsewhere), xla")
+    ap.add_argument("--out-suffix", default="",
+                    help="with --update-cost: appended to the result files' names")
     args = ap.parse_args(argv)
     if args.update_cost:
         update_costs(args, argv)

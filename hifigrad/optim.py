@@ -660,10 +660,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     The second moment's root is never stored as zero (below its code's lowest level it is
     stored as that level: an element's step can only be shortened by it). Each step computes
     a block's new moments in float32 from the stored ones, twice (once to find the block's
-    new scales, once to encode them), so no float32 moment is materialized; this step's update
-    is computed from the new moments before they are rounded, and is at least bounded by the
-    step's own ``(1 - b2) * g**2`` in the second moment. Leaves of fewer than 64 elements keep
-    float32 moments.
+    new scales, once to encode them; on a TPU, once, in a Pallas kernel that gives the same
+    bits), so no float32 moment is materialized; this step's update is computed from the new
+    moments before they are rounded, and is at least bounded by the step's own
+    ``(1 - b2) * g**2`` in the second moment. Leaves of fewer than 64 elements keep float32
+    moments.
 
     Args:
       b1: the first moment's decay rate.
@@ -721,17 +722,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             g = jnp.asarray(g, jnp.float32)
             shape = np.shape(g)
             if coded(shape):
-                sm, sv, m, v = _codes.leaf_update(moments, g, m, v, keys[i], b1, b2)
-                # the exact v_t >= (1 - b2) g_t**2: an element whose stored code was rounded
-                # to 0 in its block still divides by its own gradient's size
-                v = jnp.maximum(v, (1 - b2) * jnp.square(g))
+                # the new codes and this step's direction, from the moments before their
+                # rounding (with the exact v_t >= (1 - b2) g_t**2: an element whose stored
+                # code was rounded to 0 in its block still divides by its own gradient's
+                # size); on a TPU one Pallas kernel per leaf (`_codes.leaf_step`)
+                sm, sv, u = _codes.leaf_step(moments, g, m, v, keys[i], b1, b2, c1, c2, eps)
+                out.append(u)
+                new_mu.append(sm)
+                new_nu.append(sv)
+                continue
+            m = b1 * jnp.asarray(m, jnp.float32) + (1 - b1) * g
+            v = b2 * jnp.asarray(v, jnp.float32) + (1 - b2) * jnp.square(g)
+            if moments == "bf16":
+                sm, sv = _bf16_moments(m, v, keys[i])
             else:
-                m = b1 * jnp.asarray(m, jnp.float32) + (1 - b1) * g
-                v = b2 * jnp.asarray(v, jnp.float32) + (1 - b2) * jnp.square(g)
-                if moments == "bf16":
-                    sm, sv = _bf16_moments(m, v, keys[i])
-                else:
-                    sm, sv = m, v
+                sm, sv = m, v
             # this step's update from its moments before they are rounded for storage
             out.append((m / c1) / (jnp.sqrt(v / c2) + eps))
             new_mu.append(sm)

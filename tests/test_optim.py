@@ -849,3 +849,117 @@ def test_inject_hyperparams_equals_the_plain_optimizer(moments):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                       np.asarray(b.astype(jnp.float32)))
     assert not np.array_equal(np.asarray(out[0]["w"], np.float32), np.asarray(p0["w"], np.float32))
+
+
+# ------------------------------------------------------------------ the Pallas kernel (issue 50)
+
+# the kernel takes blocks of 128 in the last axis: a wide last axis, a 1-D leaf, leading axes,
+# and a leaf of more rows than a tile (`_TILE_ELEMENTS` is made small: the last tile is partial)
+_KERNEL_SHAPES = [(8, 512), (1024,), (2, 3, 384), (80, 256)]
+
+
+def _kernel_steps(kind, shape, rates, run, steps=3):
+    """``steps`` steps of `run` (a leaf step: (mu, nu, u)) from a fresh state, gradients of
+    four decades in each row with zeros and a sign mix; the states and directions."""
+    from hifigrad._src import optim_codes as codes
+    mu, nu = codes.zeros(kind, shape)
+    out = []
+    for step in range(1, steps + 1):
+        rng = np.random.default_rng(step)
+        g = rng.normal(size=shape) * np.logspace(-4, 0, shape[-1])
+        g[..., ::17] = 0.0
+        g = jnp.asarray(g, jnp.float32)
+        key = codes.step_keys(7, step, 3)[2]
+        c1 = 1 - jnp.float32(rates[0]) ** step
+        c2 = 1 - jnp.float32(rates[1]) ** step
+        mu, nu, u = run(g, mu, nu, key, c1, c2)
+        out.append((mu, nu, u))
+    return out
+
+
+def _bits_of(x):
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 1: np.uint8, 4: np.uint32}[x.dtype.itemsize])
+
+
+# (the traced rates in the `slow` tier: in interpret mode on CPU each case takes about 9 s)
+@pytest.mark.parametrize("kind", _CODED)
+@pytest.mark.parametrize("traced", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["static", "traced"])
+def test_pallas_kernel_is_the_xla_update_bit_for_bit(kind, traced, monkeypatch):
+    """Issue 50: the Pallas kernel (`optim_pallas`: one pass per tile of blocks) gives the new
+    state of the XLA path (`optim_codes._update`) bit for bit, and the same direction, for
+    each kind, over three steps, on leaves of several layouts (leading axes, partial tiles);
+    the rates static (Python floats) or traced (inject_hyperparams). Jitted; on a CPU the
+    kernel runs in interpret mode, on a TPU compiled (the path it takes there)."""
+    from hifigrad._src import optim_codes as codes
+    from hifigrad._src import optim_pallas
+    if not optim_pallas.AVAILABLE:
+        pytest.skip("Pallas is not available in this jax")
+    monkeypatch.setattr(optim_pallas, "_TILE_ELEMENTS", 64 * 256)   # (80, 256): 2 tiles
+    interpret = jax.default_backend() != "tpu"
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def xla(g, mu, nu, k, c1, c2, b1, b2):
+        return codes._xla_step(kind, g, mu, nu, k, c1, c2, eps, b1=b1, b2=b2,
+                               split=interpret)
+
+    def kernel(g, mu, nu, k, c1, c2, b1, b2):
+        return optim_pallas.leaf_step(kind, g, mu, nu, k, b1, b2, c1, c2, eps,
+                                      interpret=interpret)
+
+    def jitted(f):
+        if traced:   # the rates as arguments (float32 arrays)
+            fn = jax.jit(f)
+            return lambda *a: fn(*a, jnp.float32(b1), jnp.float32(b2))
+        return jax.jit(lambda *a: f(*a, b1, b2))
+
+    for shape in _KERNEL_SHAPES:
+        assert optim_pallas.supported(kind, shape), shape
+        ref, got = (_kernel_steps(kind, shape, (b1, b2), jitted(f)) for f in (xla, kernel))
+        for step, (want, have) in enumerate(zip(ref, got)):
+            for x, y in zip(jax.tree.leaves(want[:2]), jax.tree.leaves(have[:2])):
+                assert x.dtype == y.dtype and x.shape == y.shape == shape
+                np.testing.assert_array_equal(_bits_of(x), _bits_of(y),
+                                              err_msg=f"{shape} step {step}")
+            np.testing.assert_array_equal(_bits_of(want[2]), _bits_of(have[2]),
+                                          err_msg=f"{shape} step {step}: direction")
+
+
+def test_pallas_path_trains_as_the_xla_path():
+    """`scale_by_adam` with the kernel (`optim_codes.kernel("interpret")` on a CPU: the path a
+    TPU takes) trains bit for bit as with the XLA path, on a tree of leaves the kernel takes and
+    leaves it does not (the XLA path: (16, 4, 32), blocks across two axes; (6, 4, 64) and
+    (3, 96), blocks of 64 and 96, half-empty lanes; (8,): float32 moments)."""
+    from hifigrad._src import optim_codes as codes
+    from hifigrad._src import optim_pallas
+    if not optim_pallas.AVAILABLE:
+        pytest.skip("Pallas is not available in this jax")
+    for shape in [(16, 4, 32), (6, 4, 64), (3, 96)]:
+        assert not optim_pallas.supported("8bit", shape)
+    rng = np.random.default_rng(5)
+    p0 = {"w": jnp.asarray(rng.normal(size=(16, 256)) * 0.1, jnp.bfloat16),
+          "h": jnp.asarray(rng.normal(size=(16, 4, 32)) * 0.1, jnp.bfloat16),
+          "k": jnp.asarray(rng.normal(size=(6, 4, 64)) * 0.1, jnp.bfloat16),
+          "e": jnp.asarray(rng.normal(size=(3, 96)) * 0.1, jnp.bfloat16),
+          "b": jnp.asarray(rng.normal(size=(8,)) * 0.1, jnp.bfloat16)}
+    mode = "auto" if jax.default_backend() == "tpu" else "interpret"
+    for moments in _CODED:
+        out = []
+        for m in ("xla", mode):
+            tx = hg.optim.stochastic_rounding(hg.optim.adamw(1e-2, moments=moments), seed=1)
+            p, state = p0, tx.init(p0)
+            with codes.kernel(m):
+                @jax.jit
+                def step(p, state, g, tx=tx):
+                    with jax.numpy_dtype_promotion("standard"):
+                        u, state = tx.update(g, state, p)
+                        return optax.apply_updates(p, u), state
+
+                for i in range(3):
+                    g = jax.tree.map(lambda x, i=i: jnp.asarray(
+                        np.random.default_rng(20 + i).normal(size=x.shape), jnp.float32), p0)
+                    p, state = step(p, state, g)
+            out.append((p, state))
+        for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+            np.testing.assert_array_equal(_bits_of(a), _bits_of(b), err_msg=moments)

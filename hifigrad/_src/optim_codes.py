@@ -34,10 +34,21 @@ magnitudes (the new scales); an elementwise pass computes them again and encodes
 fuses the elementwise work into each pass (on CPU a block is viewed as rows of at most 32
 elements, the longest reduction XLA:CPU fuses with what it reads), so the update needs no
 temporary of the moments' size.
+
+**On a TPU** (one device) a leaf of blocks of 128 in its last axis is updated by a Pallas
+kernel instead (`optim_pallas`, chosen in `leaf_step` by `lax.platform_dependent`): one pass
+over each tile of blocks, which also writes the step's Adam direction, bit for bit the state
+and direction of the XLA path (the algorithm here is written so that both compilers round
+alike: divisions by a block's scale as multiplications by its reciprocal, as XLA rewrites
+them, and the scales behind an optimization barrier, where XLA:TPU would take 1 / sqrt for its
+rsqrt). Measured on a TPU v5e, the update of 63M transformer-shaped parameters with
+`stochastic_rounding(adamw(moments="8bit"))` takes 1.16x the float32 master's time (1.81x on
+the XLA path; benchmarks/results/optim_update_tpu_pallas.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -370,6 +381,87 @@ def _leaf_update_fn(kind, static):
     return jax.jit(leaf)
 
 
+# ------------------------------------------------------------------ the step of a leaf
+
+_KERNEL = ["auto"]
+_KERNELS = ("auto", "xla", "interpret")
+
+
+@contextlib.contextmanager
+def kernel(mode: str):
+    """Which implementation `leaf_step` traces (read at trace time; internal, for tests and
+    benchmarks): ``"auto"`` (the Pallas kernel of `optim_pallas` on a TPU for the leaves it
+    takes, the XLA path elsewhere), ``"xla"`` (the XLA path everywhere) or ``"interpret"`` (the
+    Pallas kernel in interpret mode, on any backend: the TPU path, checkable on a CPU)."""
+    if mode not in _KERNELS:
+        raise ValueError(f"kernel mode must be one of {_KERNELS}; got {mode!r}")
+    prev, _KERNEL[0] = _KERNEL[0], mode
+    try:
+        yield
+    finally:
+        _KERNEL[0] = prev
+
+
+def leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps):
+    """One Adam step of a leaf's block-coded moments and its direction: ``(mu, nu, u)``, the
+    new state leaves (`update`'s) and ``u = (m / c1) / (sqrt(max(v, (1 - b2) g**2) / c2) +
+    eps)`` from the new moments before their rounding (``v`` at least the step's own
+    ``(1 - b2) g**2``: an element whose stored code was rounded to 0 in its block still
+    divides by its own gradient's size). ``key``: the leaf's `step_keys` key; ``c1``, ``c2``:
+    the bias corrections ``1 - b**count``.
+
+    On a TPU (one device), a leaf that `optim_pallas.supported` takes is updated by its Pallas
+    kernel, one pass over each tile of blocks, bit for bit the XLA path's state and direction;
+    elsewhere (and for other leaves) by `update` (`kernel` chooses otherwise). A nested
+    ``jax.jit`` per leaf shape, as `leaf_update`."""
+    try:
+        static = float(b1), float(b2)
+    except TypeError:  # traced (optax.inject_hyperparams): arguments of the jitted update
+        return _leaf_step_fn(kind, None, _KERNEL[0])(g, mu, nu, key, c1, c2, eps, b1, b2)
+    return _leaf_step_fn(kind, static, _KERNEL[0])(g, mu, nu, key, c1, c2, eps)
+
+
+def _xla_step(kind, g, mu, nu, key, c1, c2, eps, b1, b2, split):
+    new_mu, new_nu, m, v = _update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), b1=b1,
+                                   b2=b2, split=split)
+    v = jnp.maximum(v, (1 - b2) * jnp.square(g))
+    # (the divisions by c1 and c2 as XLA makes them in most programs, multiplications by their
+    # reciprocals, written out so that every compiler, the Pallas kernel's too, computes them
+    # alike; see `_update`)
+    return new_mu, new_nu, (m * (1 / c1)) / (jnp.sqrt(v * (1 / c2)) + eps)
+
+
+@functools.cache
+def _leaf_step_fn(kind, static, mode):
+    from . import optim_pallas
+
+    def step(g, mu, nu, key, c1, c2, eps, *rates):
+        b1, b2 = static if static is not None else rates
+        shape = np.shape(g)
+        # One device only: a pallas_call is not partitioned, so under a sharded jit XLA would
+        # gather a sharded leaf (and its state) onto each device for it.
+        kernel_ok = optim_pallas.supported(kind, shape) and (
+            mode == "interpret" or jax.device_count() == 1)
+
+        def xla(split):
+            return lambda *a: _xla_step(kind, *a, b1=b1, b2=b2, split=split)
+
+        def pallas(interpret):
+            def run(g, mu, nu, key, c1, c2, eps):
+                return optim_pallas.leaf_step(kind, g, mu, nu, key, b1, b2, c1, c2, eps,
+                                              interpret=interpret)
+            return run
+
+        args = (g, mu, nu, key, c1, c2, eps)
+        if mode == "interpret" and kernel_ok:
+            return pallas(True)(*args)
+        if mode == "auto" and kernel_ok:
+            return lax.platform_dependent(*args, cpu=xla(True), default=pallas(False))
+        return lax.platform_dependent(*args, cpu=xla(True), default=xla(False))
+
+    return jax.jit(step)
+
+
 def _update(kind, g, mu, nu, bits, *, b1, b2, split):
     shape = np.shape(g)
     lay = layout(shape)
@@ -388,9 +480,14 @@ def _update(kind, g, mu, nu, bits, *, b1, b2, split):
     # the encoding below computes them again.
     new_sc_m = _block_max(jnp.abs(m))
     new_sc_s = jnp.sqrt(_block_max(v))
+    # XLA:TPU rewrites 1 / sqrt(x) into its rsqrt (rounded differently); the barrier keeps the
+    # division as written, which the Pallas kernel (`optim_pallas`) computes too
+    new_sc_m, new_sc_s = lax.optimization_barrier((new_sc_m, new_sc_s))
     # relative to the scales (clipped to 1: the pass may round the moments differently)
-    rel_m = jnp.clip(jnp.where(new_sc_m > 0, jnp.abs(m) / new_sc_m, 0.0), 0.0, 1.0)
-    rel_s = jnp.clip(jnp.where(new_sc_s > 0, jnp.sqrt(v) / new_sc_s, 0.0), 0.0, 1.0)
+    # (a multiplication by the scale's reciprocal: XLA rewrites a division by a broadcast
+    # value so; written out, every compiler, the Pallas kernel's included, computes the same)
+    rel_m = jnp.clip(jnp.where(new_sc_m > 0, jnp.abs(m) * (1 / new_sc_m), 0.0), 0.0, 1.0)
+    rel_s = jnp.clip(jnp.where(new_sc_s > 0, jnp.sqrt(v) * (1 / new_sc_s), 0.0), 0.0, 1.0)
     r = to_blocks(bits, lay, view)
     new_mw = jnp.where(m < 0, sign, jnp.uint32(0)) | enc(rel_m, r & 0xFFFF)
     new_sw = (_scale_bits(new_sc_m, new_sc_s, view) << (width - 1)) | senc(rel_s, r >> 16)
