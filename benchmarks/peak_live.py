@@ -9,7 +9,9 @@ are summed; the position with the largest sum is the peak, and its live
 values, largest first, are what the step's memory is made of there.
 
 Used by `transformer_memory_bench.py --maxtext`; ``python benchmarks/peak_live.py DUMP_DIR``
-reads a dump made with ``XLA_FLAGS=--xla_dump_to=DUMP_DIR --xla_dump_hlo_as_text``. Read on
+reads a dump made with ``XLA_FLAGS=--xla_dump_to=DUMP_DIR --xla_dump_hlo_as_text``, and
+``... DUMP_DIR --regions`` the peak of each stretch of the schedule between while loops (the
+forward's loop, the backward's), with each live value's range. Read on
 XLA:CPU; other backends write the same files.
 """
 
@@ -91,6 +93,76 @@ def peak_from_dump(dump_dir: str, top: int = 12) -> dict:
     return best
 
 
+def _sequence(live_path: str) -> list:
+    """The schedule's instruction names, by position (the live-range file's sequence)."""
+    seq, started = [], False
+    with open(live_path) as f:
+        for line in f:
+            if "InstructionSequence" in line:
+                started = True
+                continue
+            if "BufferLiveRange" in line:
+                break
+            m = re.match(r"\s+(\d+):(\S+)", line)
+            if started and m:
+                seq.append(m.group(2))
+    return seq
+
+
+def regions(dump_dir: str, top: int = 8) -> list:
+    """The largest module's schedule cut at its while loops (a loop's body is scheduled just
+    before the loop instruction: the regions are, in order, what runs before and inside each
+    loop): for each region of at least one position, the most bytes live there, where, and
+    the `top` largest values live at that point with their live ranges (a value live from
+    early in the program, such as a loop's zero-initialized accumulator, shows here)."""
+    assigns = glob.glob(os.path.join(dump_dir, "*after_optimizations-buffer-assignment.txt"))
+    best = None
+    for a in assigns:
+        live = a.replace("-buffer-assignment.txt", "-live-range.txt")
+        if os.path.exists(live):
+            size = os.path.getsize(a)
+            if best is None or size > best[0]:
+                best = (size, a, live)
+    if best is None:
+        raise FileNotFoundError(f"no buffer assignment in {dump_dir}")
+    _, a, live = best
+    values, ranges, seq = _read_temp_values(a), _read_ranges(live), _sequence(live)
+    events = defaultdict(int)
+    for name, (size, _) in values.items():
+        if name in ranges:
+            lo, hi = ranges[name]
+            events[lo] += size
+            events[hi + 1] -= size
+    prof, total = [], 0
+    for pos in range(len(seq)):
+        total += events.get(pos, 0)
+        prof.append(total)
+    loops = [i for i, name in enumerate(seq) if name.startswith("while")]
+    out = []
+    for lo, hi in zip([0] + [w + 1 for w in loops], loops + [len(seq)]):
+        if hi - lo < 2:
+            continue
+        at = max(range(lo, hi), key=lambda i: prof[i])
+        live_at = sorted(((values[n][0], n, values[n][1], ranges[n]) for n in values
+                          if n in ranges and ranges[n][0] <= at <= ranges[n][1]), reverse=True)
+        out.append({"from": lo, "to": hi, "peak_bytes": prof[at], "position": at,
+                    "instruction": seq[at], "ends_at": seq[hi] if hi < len(seq) else "end",
+                    "top": [{"name": n, "bytes": b, "shape": sh, "live": list(r)}
+                            for b, n, sh, r in live_at[:top]]})
+    return out
+
+
+def format_regions(rs: list) -> str:
+    lines = []
+    for r in rs:
+        lines.append(f"positions {r['from']}-{r['to'] - 1} (up to {r['ends_at']}): "
+                     f"{r['peak_bytes'] / 2**20:.1f} MiB at {r['position']} ({r['instruction']})")
+        for v in r["top"]:
+            lines.append(f"  {v['bytes'] / 2**20:7.2f} MiB  {v['shape']:36s} live "
+                         f"{v['live'][0]}-{v['live'][1]}  {v['name']}")
+    return "\n".join(lines)
+
+
 def peak(fn, *args, top: int = 12) -> dict:
     """`peak_from_dump` of ``jax.jit(fn)`` compiled for `args` (XLA's dump options passed to
     this one compilation, into a temporary folder)."""
@@ -117,5 +189,8 @@ def format_peak(p: dict) -> str:
 if __name__ == "__main__":
     import sys
 
-    print(format_peak(peak_from_dump(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2
-                                     else 12)))
+    if "--regions" in sys.argv[1:]:
+        print(format_regions(regions(sys.argv[1])))
+    else:
+        print(format_peak(peak_from_dump(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2
+                                         else 12)))
