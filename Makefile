@@ -2,7 +2,7 @@
 #   make demo   -- sets up a virtual environment with hifigrad[demo] when missing (only what the
 #                  demo imports: flax, optax, rich, matplotlib), then runs the main demo
 #   make test   -- sets up a virtual environment with hifigrad[test] when missing, then runs the
-#                  whole default test suite (about 1820 tests; see docs/getting-started.md for its time)
+#                  whole default test suite (about 1710 tests; see docs/getting-started.md for its time)
 #   make test-quick -- the same venv, a quick subset (QUICK below): a few minutes
 # PYTHON selects the interpreter; each gets its own venvs.
 # JAX selects a tested JAX release (one of ci/jax-*.txt, e.g. JAX=0.11.2): the venv then gets
