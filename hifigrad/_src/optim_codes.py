@@ -359,28 +359,6 @@ def update(kind: str, g, mu, nu, bits, b1: float, b2: float):
     return lax.platform_dependent(g, mu, nu, bits, cpu=on(True), default=on(False))
 
 
-def leaf_update(kind: str, g, mu, nu, key, b1: float, b2: float):
-    """`update` of one leaf with its random bits from ``key`` (`step_keys`), traced once per
-    leaf shape: a nested ``jax.jit`` (XLA inlines it), so that a model of many leaves of a
-    few shapes traces and lowers the coded update a few times, not once per leaf."""
-    try:
-        static = float(b1), float(b2)
-    except TypeError:  # traced (optax.inject_hyperparams): arguments of the jitted update
-        return _leaf_update_fn(kind, None)(g, mu, nu, key, b1, b2)
-    return _leaf_update_fn(kind, static)(g, mu, nu, key)
-
-
-@functools.cache
-def _leaf_update_fn(kind, static):
-    if static is None:
-        def leaf(g, mu, nu, key, b1, b2):
-            return update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), b1, b2)
-    else:
-        def leaf(g, mu, nu, key):
-            return update(kind, g, mu, nu, leaf_bits32(key, np.shape(g)), *static)
-    return jax.jit(leaf)
-
-
 # ------------------------------------------------------------------ the step of a leaf
 
 _KERNEL = ["auto"]
@@ -413,7 +391,8 @@ def leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps):
     On a TPU (one device), a leaf that `optim_pallas.supported` takes is updated by its Pallas
     kernel, one pass over each tile of blocks, bit for bit the XLA path's state and direction;
     elsewhere (and for other leaves) by `update` (`kernel` chooses otherwise). A nested
-    ``jax.jit`` per leaf shape, as `leaf_update`."""
+    ``jax.jit`` per leaf shape (XLA inlines it), so that a model of many leaves of a few
+    shapes traces and lowers the coded update a few times, not once per leaf."""
     try:
         static = float(b1), float(b2)
     except TypeError:  # traced (optax.inject_hyperparams): arguments of the jitted update
