@@ -61,6 +61,24 @@ def _read_ranges(path: str) -> dict:
     return ranges
 
 
+def _events(values: dict, ranges: dict) -> dict:
+    """Position -> the change in live temp bytes there (a value counts from its first position
+    to its last)."""
+    events: dict = defaultdict(int)
+    for name, (size, _) in values.items():
+        if name in ranges:
+            lo, hi = ranges[name]
+            events[lo] += size
+            events[hi + 1] -= size
+    return events
+
+
+def _live_at(values: dict, ranges: dict, at: int) -> list:
+    """(bytes, name, shape, live range) of the values live at position `at`, largest first."""
+    return sorted(((values[n][0], n, values[n][1], ranges[n]) for n in values
+                   if n in ranges and ranges[n][0] <= at <= ranges[n][1]), reverse=True)
+
+
 def peak_from_dump(dump_dir: str, top: int = 12) -> dict:
     """The peak of the largest module in `dump_dir` (an ``--xla_dump_to`` folder): its
     position, the bytes live there, and the `top` largest live values (name, bytes, shape)."""
@@ -73,20 +91,13 @@ def peak_from_dump(dump_dir: str, top: int = 12) -> dict:
         if not os.path.exists(live):
             continue
         values, ranges = _read_temp_values(a), _read_ranges(live)
-        events = defaultdict(int)
-        for name, (size, _) in values.items():
-            if name in ranges:
-                lo, hi = ranges[name]
-                events[lo] += size
-                events[hi + 1] -= size
+        events = _events(values, ranges)
         total, peak, at = 0, 0, 0
         for pos in sorted(events):
             total += events[pos]
             if total > peak:
                 peak, at = total, pos
-        live_at = sorted(((values[n][0], n, values[n][1]) for n in values
-                          if n in ranges and ranges[n][0] <= at <= ranges[n][1]),
-                         reverse=True)
+        live_at = [(b, n, sh) for b, n, sh, _ in _live_at(values, ranges, at)]
         if best is None or peak > best["peak_bytes"]:
             best = {"module": os.path.basename(a), "position": at, "peak_bytes": peak,
                     "top": [{"name": n, "bytes": s, "shape": sh} for s, n, sh in live_at[:top]]}
@@ -127,12 +138,7 @@ def regions(dump_dir: str, top: int = 8) -> list:
         raise FileNotFoundError(f"no buffer assignment in {dump_dir}")
     _, a, live = best
     values, ranges, seq = _read_temp_values(a), _read_ranges(live), _sequence(live)
-    events = defaultdict(int)
-    for name, (size, _) in values.items():
-        if name in ranges:
-            lo, hi = ranges[name]
-            events[lo] += size
-            events[hi + 1] -= size
+    events = _events(values, ranges)
     prof, total = [], 0
     for pos in range(len(seq)):
         total += events.get(pos, 0)
@@ -143,8 +149,7 @@ def regions(dump_dir: str, top: int = 8) -> list:
         if hi - lo < 2:
             continue
         at = max(range(lo, hi), key=lambda i: prof[i])
-        live_at = sorted(((values[n][0], n, values[n][1], ranges[n]) for n in values
-                          if n in ranges and ranges[n][0] <= at <= ranges[n][1]), reverse=True)
+        live_at = _live_at(values, ranges, at)
         out.append({"from": lo, "to": hi, "peak_bytes": prof[at], "position": at,
                     "instruction": seq[at], "ends_at": seq[hi] if hi < len(seq) else "end",
                     "top": [{"name": n, "bytes": b, "shape": sh, "live": list(r)}

@@ -679,6 +679,18 @@ def _step(tx):
     return step
 
 
+def _train(tx, p0, steps, seed):
+    """`steps` jitted steps of `tx` from `p0` and a fresh state, float32 gradients of standard
+    normals (``default_rng(seed + i)`` at step i): the parameters and the state."""
+    step = jax.jit(_step(tx))
+    p, state = p0, tx.init(p0)
+    for i in range(steps):
+        g = jax.tree.map(lambda x, i=i: jnp.asarray(
+            np.random.default_rng(seed + i).normal(size=x.shape), jnp.float32), p0)
+        p, state = step(p, state, g)
+    return p, state
+
+
 def _storing(tx):
     """`tx` whose state also holds the parameters it was initialized with (as optax's
     lookahead or an EMA does): a state leaf that is a parameter itself."""
@@ -824,21 +836,7 @@ def test_inject_hyperparams_equals_the_plain_optimizer(moments):
     rng = np.random.default_rng(4)
     p0 = {"w": jnp.asarray(rng.normal(size=(32, 128)) * 0.1, jnp.bfloat16),
           "b": jnp.asarray(rng.normal(size=(16,)) * 0.1, jnp.bfloat16)}
-    out = []
-    for tx in (plain, injected):
-        p, state = p0, tx.init(p0)
-
-        @jax.jit
-        def step(p, state, g, tx=tx):
-            with jax.numpy_dtype_promotion("standard"):
-                u, state = tx.update(g, state, p)
-                return optax.apply_updates(p, u), state
-
-        for i in range(4):
-            g = jax.tree.map(lambda x, i=i: jnp.asarray(
-                np.random.default_rng(10 + i).normal(size=x.shape), jnp.float32), p0)
-            p, state = step(p, state, g)
-        out.append(p)
+    out = [_train(tx, p0, 4, 10)[0] for tx in (plain, injected)]
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                       np.asarray(b.astype(jnp.float32)))
@@ -942,18 +940,7 @@ def test_pallas_path_trains_as_the_xla_path():
         out = []
         for m in ("xla", mode):
             tx = hg.optim.stochastic_rounding(hg.optim.adamw(1e-2, moments=moments), seed=1)
-            p, state = p0, tx.init(p0)
-            with codes.kernel(m):
-                @jax.jit
-                def step(p, state, g, tx=tx):
-                    with jax.numpy_dtype_promotion("standard"):
-                        u, state = tx.update(g, state, p)
-                        return optax.apply_updates(p, u), state
-
-                for i in range(3):
-                    g = jax.tree.map(lambda x, i=i: jnp.asarray(
-                        np.random.default_rng(20 + i).normal(size=x.shape), jnp.float32), p0)
-                    p, state = step(p, state, g)
-            out.append((p, state))
+            with codes.kernel(m):   # read when the step is traced, in `_train`
+                out.append(_train(tx, p0, 3, 20))
         for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
             np.testing.assert_array_equal(_bits_of(a), _bits_of(b), err_msg=moments)
