@@ -612,7 +612,7 @@ def test_both_block_views_give_the_same_moments(moments):
     views, run on this host, give the same moments (bit for bit here; allowed an ulp, as XLA
     may contract a multiply-add in one program and not the other) and the same codes (but
     where such an ulp moved a value across its random rounding threshold: at most 1 in
-    1000); the update lowers for a TPU too."""
+    1000); the leaf's step lowers for a TPU too."""
     from hifigrad._src import compat
     from hifigrad._src import optim_codes as codes
     shape = (16, 4, 32)
@@ -629,8 +629,10 @@ def test_both_block_views_give_the_same_moments(moments):
         for a, b in zip(outs[0][2:], outs[1][2:]):
             np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=1)
         mu, nu = outs[0][:2]
-    update = jax.jit(lambda g, mu, nu, b: codes.update(moments, g, mu, nu, b, 0.9, 0.999))
-    assert "stablehlo" in compat.lower_for(update, (g, mu, nu, bits), "tpu")
+    key = codes.step_keys(0, 3, 1)[0]
+    step = jax.jit(lambda g, mu, nu, k: codes.leaf_step(moments, g, mu, nu, k, 0.9, 0.999,
+                                                        0.5, 0.5, 1e-8))
+    assert "stablehlo" in compat.lower_for(step, (g, mu, nu, key), "tpu")
 
 
 def test_unknown_moments_is_an_error():

@@ -336,29 +336,6 @@ def decode(kind: str, mu, nu, shape):
     return jnp.reshape(m, shape), jnp.reshape(s, shape)
 
 
-def update(kind: str, g, mu, nu, bits, b1: float, b2: float):
-    """One Adam step of a leaf's block-coded moments.
-
-    Args:
-      kind: ``"fp16"``, ``"8bit"`` or ``"4bit"``.
-      g: the float32 gradient.
-      mu, nu: the stored state leaves (`zeros`' layout).
-      bits: uint32 random bits of ``g``'s shape (low half for m, high half for s).
-      b1, b2: Adam's decay rates.
-
-    Returns:
-      ``(mu, nu, m, v)``: the new state leaves and the new moments before their rounding
-      (float32, ``g``'s shape), from which the step's update is computed: only elementwise
-      multiplications and additions of the stored values and ``g``, which XLA recomputes
-      where they are used rather than keeping a float32 copy (an expensive operation, such
-      as the square root that encoding the second moment takes, would be kept).
-    """
-    def on(split):
-        return lambda *args: _update(kind, *args, b1=b1, b2=b2, split=split)
-
-    return lax.platform_dependent(g, mu, nu, bits, cpu=on(True), default=on(False))
-
-
 # ------------------------------------------------------------------ the step of a leaf
 
 _KERNEL = ["auto"]
@@ -382,7 +359,7 @@ def kernel(mode: str):
 
 def leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps):
     """One Adam step of a leaf's block-coded moments and its direction: ``(mu, nu, u)``, the
-    new state leaves (`update`'s) and ``u = (m / c1) / (sqrt(max(v, (1 - b2) g**2) / c2) +
+    new state leaves (`_update`'s) and ``u = (m / c1) / (sqrt(max(v, (1 - b2) g**2) / c2) +
     eps)`` from the new moments before their rounding (``v`` at least the step's own
     ``(1 - b2) g**2``: an element whose stored code was rounded to 0 in its block still
     divides by its own gradient's size). ``key``: the leaf's `step_keys` key; ``c1``, ``c2``:
@@ -390,7 +367,8 @@ def leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps):
 
     On a TPU (one device), a leaf that `optim_pallas.supported` takes is updated by its Pallas
     kernel, one pass over each tile of blocks, bit for bit the XLA path's state and direction;
-    elsewhere (and for other leaves) by `update` (`kernel` chooses otherwise). A nested
+    elsewhere (and for other leaves) by `_update`, a block viewed as rows of 32 on a CPU
+    (`_view`), as one row elsewhere (`kernel` chooses otherwise). A nested
     ``jax.jit`` per leaf shape (XLA inlines it), so that a model of many leaves of a few
     shapes traces and lowers the coded update a few times, not once per leaf."""
     try:
@@ -442,6 +420,15 @@ def _leaf_step_fn(kind, static, mode):
 
 
 def _update(kind, g, mu, nu, bits, *, b1, b2, split):
+    """One Adam step of a leaf's block-coded moments (``kind``: ``"fp16"``, ``"8bit"`` or
+    ``"4bit"``; ``g`` the float32 gradient; ``mu``, ``nu`` the stored state leaves, `zeros`'
+    layout; ``bits`` uint32 random bits of ``g``'s shape, low half for m, high half for s;
+    ``split``: a block viewed as rows of at most 32, as on a CPU). Returns ``(mu, nu, m, v)``:
+    the new state leaves and the new moments before their rounding (float32, ``g``'s shape),
+    from which the step's update is computed: only elementwise multiplications and additions
+    of the stored values and ``g``, which XLA recomputes where they are used rather than
+    keeping a float32 copy (an expensive operation, such as the square root that encoding the
+    second moment takes, would be kept)."""
     shape = np.shape(g)
     lay = layout(shape)
     view = _view(lay, split)
