@@ -55,11 +55,13 @@ measured side by side, and its arguments and temporaries from ``memory_analysis(
 writes ``optim_update_<backend><--out-suffix>.md`` and ``.json``. ``--configs`` takes a subset
 (f32-master, the reference, always runs); ``--kernels auto,xla`` measures each block-coded
 configuration twice, as it runs by default (on a TPU the Pallas kernel,
-``hifigrad/_src/optim_pallas.py``) and on the XLA path, side by side::
+``hifigrad/_src/optim_pallas.py``) and on the XLA path, side by side; ``--compile-workers``
+compiles that many configurations at a time (each traced and lowered in turn first; the
+compile column is then each one's time among the others)::
 
     PYTHONPATH=. python benchmarks/optim_bench.py --update-cost --update-params 60e6 \
         --models '' --configs sr+8bit,sr+4bit,split+fp16 --kernels auto,xla --repeats 9 \
-        --out-suffix _pallas
+        --compile-workers 7 --out-suffix _pallas
 """
 
 from __future__ import annotations
@@ -272,12 +274,17 @@ def synthetic_shapes(n_params: float):
     return unit * max(1, int(round(n_params / per)))
 
 
-def update_cost(params, grads, repeats: int, names=None, kernels=("auto",)) -> dict:
+def update_cost(params, grads, repeats: int, names=None, kernels=("auto",),
+                compile_workers: int = 1) -> dict:
     """The optimizer update alone (``tx.update`` and ``optax.apply_updates`` on bf16
     parameters and float32 gradients, jitted, parameters and state donated as a training step
     does): time of each configuration as a ratio to ``f32-master``'s, measured side by side
     (each configuration's step timed in turn, ``repeats`` rounds, the median of each), and
-    its compiled arguments and temporaries (bytes per parameter) from ``memory_analysis()``."""
+    its compiled arguments and temporaries (bytes per parameter) from ``memory_analysis()``.
+    Each configuration is traced and lowered in turn (the kernel mode is read while tracing),
+    then compiled, ``compile_workers`` at a time (XLA compiles in threads of its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from hifigrad._src import optim_codes
 
     n = n_params(params)
@@ -290,6 +297,7 @@ def update_cost(params, grads, repeats: int, names=None, kernels=("auto",)) -> d
         for mode in (kernels if coded else ("auto",)):
             label = {"auto": "", "xla": " (xla)", "interpret": " (interpret)"}[mode]
             runs.append((config + (label if len(kernels) > 1 else ""), config, mode))
+    pending = []   # (row, lowered, seconds to trace and lower, parameters, state, gradients)
     with jax.numpy_dtype_promotion("standard"):
         for row, config, mode in runs:
             tx = configs(1e-3)[config]()
@@ -305,25 +313,36 @@ def update_cost(params, grads, repeats: int, names=None, kernels=("auto",)) -> d
             state = tx.init(p)
             t0 = time.perf_counter()
             with optim_codes.kernel(mode):   # read while tracing
-                compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, state, g).compile()
-            compile_s = time.perf_counter() - t0
-            ma = compiled.memory_analysis()
-            rows[row] = {"temp_bytes_per_param": ma.temp_size_in_bytes / n,
-                            "arg_bytes_per_param": ma.argument_size_in_bytes / n,
-                            "compile_s": compile_s, "times": []}
-            p, state = compiled(p, state, g)   # warm
-            jax.block_until_ready(p)
-            steps[row] = [compiled, p, state, g]
-            print(f"  compiled {row} ({compile_s:.1f} s: trace, lower, compile)",
-                  flush=True)
-        for _ in range(repeats):
-            for config, entry in steps.items():
-                compiled, p, st, g = entry
-                t0 = time.perf_counter()
-                p, st = compiled(p, st, g)
-                jax.block_until_ready((p, st))
-                rows[config]["times"].append(time.perf_counter() - t0)
-                entry[1], entry[2] = p, st
+                lowered = jax.jit(step, donate_argnums=(0, 1)).lower(p, state, g)
+            pending.append((row, lowered, time.perf_counter() - t0, p, state, g))
+
+    def compile_one(item):
+        t0 = time.perf_counter()
+        return item[1].compile(), item[2] + time.perf_counter() - t0
+
+    if compile_workers > 1:
+        with ThreadPoolExecutor(compile_workers) as pool:
+            done = list(pool.map(compile_one, pending))
+    else:
+        done = [compile_one(item) for item in pending]
+    for (row, _, _, p, state, g), (compiled, compile_s) in zip(pending, done):
+        ma = compiled.memory_analysis()
+        rows[row] = {"temp_bytes_per_param": ma.temp_size_in_bytes / n,
+                     "arg_bytes_per_param": ma.argument_size_in_bytes / n,
+                     "compile_s": compile_s, "times": []}
+        p, state = compiled(p, state, g)   # warm
+        jax.block_until_ready(p)
+        steps[row] = [compiled, p, state, g]
+        print(f"  compiled {row} ({compile_s:.1f} s: trace, lower, compile)", flush=True)
+    del pending, done
+    for _ in range(repeats):
+        for config, entry in steps.items():
+            compiled, p, st, g = entry
+            t0 = time.perf_counter()
+            p, st = compiled(p, st, g)
+            jax.block_until_ready((p, st))
+            rows[config]["times"].append(time.perf_counter() - t0)
+            entry[1], entry[2] = p, st
     base = float(np.median(rows["f32-master"]["times"]))
     print(f"  f32-master's update: {base * 1e3:.2f} ms (median of {repeats})", flush=True)
     for config, r in rows.items():
@@ -332,7 +351,8 @@ def update_cost(params, grads, repeats: int, names=None, kernels=("auto",)) -> d
         print(f"  {config:12s} {r['time_ratio']:5.2f}x time, args "
               f"{r['arg_bytes_per_param']:5.2f} + temp {r['temp_bytes_per_param']:5.2f} "
               f"B/param, compiled in {r['compile_s']:.1f} s", flush=True)
-    return {"n_params": n, "repeats": repeats, "f32_master_s": base, "rows": rows}
+    return {"n_params": n, "repeats": repeats, "f32_master_s": base, "rows": rows,
+            "compile_workers": compile_workers}
 
 
 def update_costs(args, argv) -> dict:
@@ -351,7 +371,7 @@ def update_costs(args, argv) -> dict:
                  for k, v in params.items()}
         print(f"update cost: synthetic, {n_params(params) / 1e6:.1f}M parameters", flush=True)
         result["runs"]["synthetic"] = update_cost(params, grads, args.repeats, names,
-                                                  kernels)
+                                                  kernels, args.compile_workers)
         write_update_cost(result, args.out)   # after each run: a partial result survives
         del params, grads
     corpus = D.load_corpus(200_000) if args.models else None
@@ -362,7 +382,7 @@ def update_costs(args, argv) -> dict:
             grads = jax.jit(hg.grad(loss))(params, batch, jax.random.key(0))
         print(f"update cost: {model}, {n_params(params) / 1e6:.2f}M parameters", flush=True)
         result["runs"][model] = update_cost(params, grads, max(args.repeats, 21), names,
-                                            kernels)
+                                            kernels, args.compile_workers)
         write_update_cost(result, args.out)
     return result
 
@@ -384,12 +404,20 @@ def write_update_cost(result, out_dir):
              "`memory_analysis()`). f32-master's peak is 18 (2 + 12 + 4, no temporaries). "
              "*compile*: seconds to trace, lower and compile the update (one process, each "
              "configuration once, in the order of the table).", ""]
+    workers = max(run.get("compile_workers", 1) for run in result["runs"].values())
+    if workers > 1:
+        lines += [f"Compiled {workers} configurations at a time (`--compile-workers "
+                  f"{workers}`; each traced and lowered in turn first): a *compile* figure is "
+                  "that configuration's trace and lowering plus its compilation's wall time "
+                  "among the others'. The timings are taken after every compilation.", ""]
     if any(" (xla)" in c for run in result["runs"].values() for c in run["rows"]):
         lines += ["Block-coded configurations are measured twice (`--kernels auto,xla`): as "
                   "they run by default (on a TPU, the Pallas kernel of "
                   "`hifigrad/_src/optim_pallas.py` for leaves of blocks of 128 in their last "
-                  "axis, the XLA path for the others), and *(xla)*: every leaf on the XLA "
-                  "path (`optim_codes.kernel(\"xla\")`).", ""]
+                  "axis, the XLA path for the others; with `master=\"split\"` the kernel "
+                  "also updates those leaves' split master, `optim_codes.split_leaf_step`), "
+                  "and *(xla)*: every leaf on the XLA path "
+                  "(`optim_codes.kernel(\"xla\")`).", ""]
     for name, run in result["runs"].items():
         lines += [f"## {name}: {run['n_params'] / 1e6:.2f}M parameters "
                   f"(f32-master's update: {run['f32_master_s'] * 1e3:.1f} ms)", "",
@@ -426,6 +454,10 @@ def main(argv=None):
                     help="with --update-cost: the block-coded update's implementations, "
                          "comma-separated, each coded configuration measured with each: "
                          "auto (the Pallas kernel on a TPU, XLA elsewhere), xla")
+    ap.add_argument("--compile-workers", type=int, default=1,
+                    help="with --update-cost: configurations compiled at a time (each is "
+                         "traced and lowered in turn first); the compile column is then "
+                         "each one's time among the others")
     ap.add_argument("--out-suffix", default="",
                     help="with --update-cost: appended to the result files' names")
     args = ap.parse_args(argv)

@@ -256,7 +256,10 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
     a master can differ from the float32 run's by a float32 ulp (as jitting the float32 run
     itself changes it), and the runs then drift apart as any two float32 runs do. Leaves
     that are not bf16 (float32, fp16, integers) are kept as with
-    ``master="float32"``.
+    ``master="float32"``. Over `hifigrad.optim.adamw` with block-coded moments, on a TPU (one
+    device), each bf16 leaf that its Pallas kernel takes is updated in that kernel, the moments
+    and the split master in one pass (no float32 direction between them), bit for bit the
+    unfused update.
 
     ``master="split8"`` keeps only the next 8 bits (1 byte beside the bf16 parameter): a
     24-bit master of 16 significant bits, which each update rounds stochastically (unbiased;
@@ -388,9 +391,15 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
             return round_param(new, p).astype(jnp.float32) - jnp.asarray(p, jnp.float32)
 
         updates = jax.tree.map(to_param, params, new_master, inner_updates)
+        stored = jax.tree.map(store, params, new_master)
+        fused = getattr(tx, "_split_master_step", None)
+        if master == "split" and fused is not None and not extra_args:
+            # hifigrad's adamw with block-coded moments: on a TPU, the leaves its Pallas kernel
+            # takes are updated there, the split master with the moments (bit for bit this)
+            updates, stored, inner = fused(grads, state.inner, inner, params, state.master,
+                                           full, updates, stored, param_rounding)
         count = state.count + 1 if split8 else ()
-        return updates, MasterWeightsState(master=jax.tree.map(store, params, new_master),
-                                           inner=inner, count=count)
+        return updates, MasterWeightsState(master=stored, inner=inner, count=count)
 
     out = optax.GradientTransformationExtraArgs(init, update)
     return _with_master_params(out, master_params)
@@ -635,6 +644,16 @@ def _bf16_moments(m, v, key):
             round_to_bf16(v, "stochastic", (bits >> 16).astype(jnp.uint16)))
 
 
+def _adam_scalars(count, b1, b2, moments, seed, n):
+    """`scale_by_adam`'s step: the new count, the bias corrections and the ``n`` leaves'
+    random keys (none with float32 moments)."""
+    count = count + 1
+    c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
+    c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
+    keys = _codes.step_keys(seed, count, n) if moments != "float32" else ()
+    return count, c1, c2, keys
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   moments: str = "float32", seed: int = 0):
     """Adam's scaling (as ``optax.scale_by_adam``) with its moments stored compactly.
@@ -712,12 +731,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     def update(updates, state, params=None):
         del params
         leaves, tree = jax.tree.flatten(updates)
-        count = state.count + 1
-        c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
-        c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
+        count, c1, c2, keys = _adam_scalars(state.count, b1, b2, moments, seed, len(leaves))
         mus, nus = tree.flatten_up_to(state.mu), tree.flatten_up_to(state.nu)
         out, new_mu, new_nu = [], [], []
-        keys = _codes.step_keys(seed, count, len(leaves)) if moments != "float32" else ()
         for i, (g, m, v) in enumerate(zip(leaves, mus, nus)):
             g = jnp.asarray(g, jnp.float32)
             shape = np.shape(g)
@@ -752,7 +768,10 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     """AdamW (``optax.adamw``) with its moments stored as `scale_by_adam` says: ``"float32"``,
     ``"bf16"``, or block-coded ``"fp16"``, ``"8bit"`` or ``"4bit"`` (4, 2 or 1 bytes per
     parameter for both moments), all rounded stochastically. Combine it with
-    `master_weights`, `kahan` or `stochastic_rounding` for the parameters themselves.
+    `master_weights`, `kahan` or `stochastic_rounding` for the parameters themselves (with
+    block-coded moments and `master_weights(..., master="split")`, a TPU updates the moments
+    and the split master of a leaf in one Pallas kernel, bit for bit the chain's result, where
+    the weight decay is a nonzero number and the mask, if any, is known at trace time).
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -775,9 +794,75 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       (dtype('uint8'), dtype('uint8'))
     """
     optax = _optax()
-    return optax.chain(scale_by_adam(b1, b2, eps, moments=moments, seed=seed),
-                       optax.add_decayed_weights(weight_decay, mask),
-                       optax.scale_by_learning_rate(learning_rate))
+    tx = optax.chain(scale_by_adam(b1, b2, eps, moments=moments, seed=seed),
+                     optax.add_decayed_weights(weight_decay, mask),
+                     optax.scale_by_learning_rate(learning_rate))
+    if moments not in _codes.KINDS:
+        return tx
+    fused = functools.partial(_split_adamw_step, (b1, b2, eps, weight_decay, mask,
+                                                  learning_rate, moments, seed))
+
+    class AdamW(optax.GradientTransformationExtraArgs):
+        # `master_weights(..., master="split")` updates each parameter the Pallas kernel takes
+        # in that kernel, with its moments (`_split_adamw_step`)
+        _split_master_step = staticmethod(fused)
+
+    return AdamW(tx.init, tx.update)
+
+
+def _flat_mask(mask, full, tree):
+    """Per leaf of ``tree``, whether `optax.masked` (``add_decayed_weights(wd, mask)``) applies
+    weight decay to it, as Python bools; None if that is not known at trace time."""
+    if mask is None:
+        return [True] * tree.num_leaves
+    try:
+        m = mask(full) if callable(mask) else mask
+        flags = tree.flatten_up_to(jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: flag, sub), m, full))
+        return [bool(f) for f in flags]
+    except Exception:  # a traced or otherwise unusual mask: the unfused update
+        return None
+
+
+def _split_adamw_step(spec, grads, old_inner, inner, params, lows, full, updates, stored,
+                      rounding):
+    """`master_weights(adamw(moments=...), master="split")`'s update of the leaves the Pallas
+    kernel takes (a TPU), fused: each such leaf's moments and split master in one kernel
+    (`optim_codes.split_leaf_step`), over what the unfused update computed (``inner``,
+    ``updates``, ``stored``: the new inner state, the updates and the new low halves), which
+    stays wherever the kernel does not run; bit for bit that update's result. The weight
+    decay and the learning rate are applied as optax's chain does (``u + wd * master``, then
+    ``step * u``, then ``master + u``); a weight decay other than a nonzero number, a mask
+    or learning rate not known at trace time: nothing fused."""
+    b1, b2, eps, wd, mask, lr, moments, seed = spec
+    if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd == 0 or lr is None:
+        return updates, stored, inner
+    leaves, tree = jax.tree.flatten(params)
+    decayed = _flat_mask(mask, full, tree)
+    adam, old_adam = inner[0], old_inner[0]
+    if decayed is None or not isinstance(adam, AdamState):
+        return updates, stored, inner
+    if callable(lr):   # optax.scale_by_schedule's step, from the chain's own count
+        count = getattr(old_inner[2], "count", None)
+        if count is None:
+            return updates, stored, inner
+        step = jnp.array(-1 * lr(count), dtype=jnp.float32)
+    else:
+        step = jnp.asarray(-1 * lr, jnp.float32)
+    _, c1, c2, keys = _adam_scalars(old_adam.count, b1, b2, moments, seed, len(leaves))
+    cols = [tree.flatten_up_to(t) for t in (grads, old_adam.mu, old_adam.nu, lows, adam.mu,
+                                            adam.nu, stored, updates)]
+    for i, (p, g, mu, nu, low, *fallback) in enumerate(zip(leaves, *cols)):
+        if jnp.result_type(p) != jnp.bfloat16 or _codes.layout(np.shape(p)) is None:
+            continue
+        out = _codes.split_leaf_step(moments, jnp.asarray(g, jnp.float32), mu, nu, keys[i],
+                                     b1, b2, c1, c2, eps, p, low, step,
+                                     wd if decayed[i] else None, rounding, fallback)
+        for col, x in zip(cols[4:], out):
+            col[i] = x
+    new_mu, new_nu, stored, updates = (jax.tree.unflatten(tree, c) for c in cols[4:])
+    adam = adam._replace(mu=new_mu, nu=new_nu)
+    return updates, stored, (adam, *inner[1:])
 
 
 def _check_tx(where: str, tx) -> None:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lanes import in_turn
 from platforms import on_cpu
 
 import hifigrad as hg
@@ -635,6 +636,25 @@ def test_both_block_views_give_the_same_moments(moments):
     assert "stablehlo" in compat.lower_for(step, (g, mu, nu, key), "tpu")
 
 
+@pytest.mark.parametrize("moments", ["fp16", "8bit"])
+def test_a_kernel_leaf_lowers_to_the_kernel_on_a_tpu_only(moments):
+    """A leaf the Pallas kernel takes (blocks of 128 in its last axis) lowers to the kernel
+    (a Mosaic custom call) for a TPU, and to XLA's path for a CPU and for a GPU, where a TPU
+    kernel does not run."""
+    from hifigrad._src import compat
+    from hifigrad._src import optim_codes as codes
+    shape = (8, 256)
+    g = jnp.ones(shape, jnp.float32)
+    mu, nu = codes.zeros(moments, shape)
+    key = codes.step_keys(0, 1, 1)[0]
+    step = jax.jit(lambda g, mu, nu, k: codes.leaf_step(moments, g, mu, nu, k, 0.9, 0.999,
+                                                        0.5, 0.5, 1e-8))
+    assert "tpu_custom_call" in compat.lower_for(step, (g, mu, nu, key), "tpu")
+    for platform in ("cpu", "cuda"):
+        text = compat.lower_for(step, (g, mu, nu, key), platform)
+        assert "stablehlo" in text and "tpu_custom_call" not in text, platform
+
+
 def test_unknown_moments_is_an_error():
     with pytest.raises(ValueError, match="moments must be one of"):
         hg.optim.scale_by_adam(moments="fp8")
@@ -946,3 +966,94 @@ def test_pallas_path_trains_as_the_xla_path():
                 out.append(_train(tx, p0, 3, 20))
         for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
             np.testing.assert_array_equal(_bits_of(a), _bits_of(b), err_msg=moments)
+
+
+@pytest.mark.parametrize("rounding", ["nearest_away", "truncate"])
+def test_pallas_split_master_bits_are_the_optimizers(rounding):
+    """The kernel's split master (`optim_pallas._join_bits`, `_bf16_bits`, on int32 lanes) is
+    `hifigrad.optim._join` and `round_to_bf16` bit for bit, on random bit patterns and the
+    edges (zeros, infinities, NaNs, ties, the largest finite bf16). Off XLA:CPU the float
+    arrays of the reference need not keep a NaN's payload or a subnormal (on a TPU v5e 0.7% of
+    the patterns differed, those listed NaNs made canonical and subnormals flushed; as in
+    `test_split_master_is_the_float32_master_exactly`): there those are left out."""
+    from hifigrad._src import optim_pallas
+    from hifigrad.optim import _join, _split, round_to_bf16
+    bits = _sample_bits()
+    x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
+    special = ((bits & 0x7F800000) == 0x7F800000) & ((bits & 0x7FFFFF) != 0)
+    subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFFFF) != 0)
+    kept = ~special & ~subnormal if not on_cpu() else np.ones(bits.shape, bool)
+    param, low = _split(x, rounding)
+    hi = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.int32)
+    lo = low.astype(jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(optim_pallas._join_bits(hi, lo, rounding)).view(np.uint32)[kept],
+        _bits(_join(param, low, rounding))[kept])
+    np.testing.assert_array_equal(
+        np.asarray(optim_pallas._bf16_bits(jnp.asarray(bits.view(np.int32)), rounding))[kept],
+        _bits_of(round_to_bf16(x, rounding)).astype(np.int32)[kept])
+
+
+# About 7-10 s each on CPU (interpret mode): the default suite runs one kind per lane, in turn
+# (tests/lanes.py), with a schedule, a mask and nearest_away; the `slow` tier every kind, and
+# truncation with a constant learning rate.
+@pytest.mark.parametrize("kind, variant", [
+    pytest.param(kind, variant, marks=() if variant == "away-schedule-mask" and in_turn(i, 3)
+                 else pytest.mark.slow)
+    for variant in ("away-schedule-mask", "truncate-constant")
+    for i, kind in enumerate(_CODED)])
+def test_pallas_split_master_trains_as_the_unfused_update(kind, variant, monkeypatch):
+    """Issue 50: `master_weights(adamw(moments=...), master="split")` updates each bf16 leaf
+    the kernel takes in one kernel, the moments and the split master together
+    (`optim_codes.split_leaf_step`: no float32 direction between them), bit for bit the
+    unfused update (the XLA path: `optim_codes.kernel("xla")`), parameters and state, over
+    three steps: weight decay (masked off one leaf), a learning-rate schedule or a constant,
+    both parameter roundings; leaves of the kernel (several tiles, the last partial; 1-D;
+    leading axes) and of the XLA path, a float32 parameter. On a CPU the kernel runs in
+    interpret mode; on a TPU compiled (`"auto"`), where the unfused update's kernels are
+    removed (one Pallas call per leaf the kernel takes)."""
+    from hifigrad._src import optim_codes as codes
+    from hifigrad._src import optim_pallas
+    if not optim_pallas.AVAILABLE:
+        pytest.skip("Pallas is not available in this jax")
+    monkeypatch.setattr(optim_pallas, "_TILE_ELEMENTS", 64 * 256)   # (80, 256): 2 tiles
+    fused = []
+    real = optim_pallas.split_leaf_step
+    monkeypatch.setattr(optim_pallas, "split_leaf_step",
+                        lambda *a, **k: fused.append(np.shape(a[1])) or real(*a, **k))
+    rng = np.random.default_rng(9)
+    p0 = {"w": jnp.asarray(rng.normal(size=(80, 256)) * 0.1, jnp.bfloat16),
+          "v": jnp.asarray(rng.normal(size=(1024,)) * 0.1, jnp.bfloat16),
+          "t": jnp.asarray(rng.normal(size=(2, 3, 384)) * 0.1, jnp.bfloat16),
+          "h": jnp.asarray(rng.normal(size=(16, 4, 32)) * 0.1, jnp.bfloat16),
+          "f": jnp.asarray(rng.normal(size=(8, 128)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(8,)) * 0.1, jnp.bfloat16)}
+    taken = [(80, 256), (1024,), (2, 3, 384)]
+    if variant == "away-schedule-mask":
+        lr, rounding = optax.linear_schedule(3e-2, 1e-3, 3), "nearest_away"
+        mask = {k: k != "t" for k in p0}
+    else:
+        lr, rounding, mask = 3e-2, "truncate", None
+
+    def make():
+        return hg.optim.master_weights(hg.optim.adamw(lr, weight_decay=0.1, mask=mask,
+                                                      moments=kind),
+                                       master="split", param_rounding=rounding)
+
+    mode = "auto" if jax.default_backend() == "tpu" else "interpret"
+    out = []
+    for m in ("xla", mode):
+        fused.clear()
+        with codes.kernel(m):   # read when the step is traced, in `_train`
+            out.append(_train(make(), p0, 3, 30))
+    assert sorted(fused) == sorted(taken), fused
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(_bits_of(a), _bits_of(b), err_msg=f"{kind} {variant}")
+    assert not np.array_equal(_bits_of(out[1][0]["w"]), _bits_of(p0["w"]))
+    if jax.default_backend() == "tpu":
+        tx = make()
+        with codes.kernel("auto"):
+            hlo = jax.jit(_step(tx)).lower(p0, tx.init(p0), p0).compile().as_text()
+        # the fused leaves' kernels, and the float32 parameter's moments' (`leaf_step`)
+        assert hlo.count('custom_call_target="tpu_custom_call"') == len(taken) + 1

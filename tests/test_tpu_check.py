@@ -1,7 +1,8 @@
 """`make tpu-check`'s pieces on CPU: HIFIGRAD_TEST_CHUNK=i/n splits the selected tests into n
 contiguous slices, each test in exactly one; benchmarks/tpu_bench.py runs at a tiny size and
 writes its tables. Also `make test-subset`'s HIFIGRAD_TURNS (tests/conftest.py): one in n of a
-module's tests, each lane its own share."""
+module's tests, each lane its own share; and the order `make test`'s pytest-xdist workers take
+the modules in."""
 
 import json
 import os
@@ -91,6 +92,21 @@ def test_a_bad_turn_is_a_usage_error():
     for spec in ("test_a", "test_a=0", "a=2", "test_a=x"):
         with pytest.raises(pytest.UsageError, match="HIFIGRAD_TURNS"):
             _keep(conftest._keep_turns, "HIFIGRAD_TURNS", spec, _items(["test_a"]))
+
+
+def test_xdist_workers_take_the_longest_modules_first(monkeypatch):
+    """In a pytest-xdist worker, the longest modules come first, in their listed order, each
+    module's tests in their own order, the rest after them in collection order; one process
+    keeps the collection order."""
+    longest = conftest._LONGEST_MODULES
+    items = _items(["test_a", "test_b", longest[2], "test_a", longest[0], longest[2]])
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    kept = list(items)
+    conftest._longest_modules_first(kept)
+    assert kept == items
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    conftest._longest_modules_first(kept)
+    assert [x.i for x in kept] == [4, 2, 5, 0, 1, 3]
 
 
 # The benchmark at a tiny size in a fresh interpreter (about a minute on 2 cores): `slow`, as the

@@ -41,9 +41,12 @@ over each tile of blocks, which also writes the step's Adam direction, bit for b
 and direction of the XLA path (the algorithm here is written so that both compilers round
 alike: divisions by a block's scale as multiplications by its reciprocal, as XLA rewrites
 them, and the scales behind an optimization barrier, where XLA:TPU would take 1 / sqrt for its
-rsqrt). Measured on a TPU v5e, the update of 63M transformer-shaped parameters with
-`stochastic_rounding(adamw(moments="8bit"))` takes 1.16x the float32 master's time (1.81x on
-the XLA path; benchmarks/results/optim_update_tpu_pallas.md).
+rsqrt). With a split master (`split_leaf_step`) the kernel updates the parameter and its
+master's low half too, in the same pass. Measured on a TPU v5e, the update of 63M
+transformer-shaped parameters with `stochastic_rounding(adamw(moments="8bit"))` takes 1.18x the
+float32 master's time (1.84x on the XLA path), with `master_weights(adamw(moments="fp16"),
+master="split")` 1.81x (2.21x; benchmarks/results/optim_update_tpu_pallas.md); at 115M
+parameters 1.16x and 1.98x (optim_update_tpu_pallas120m.md).
 """
 
 from __future__ import annotations
@@ -413,8 +416,73 @@ def _leaf_step_fn(kind, static, mode):
         if mode == "interpret" and kernel_ok:
             return pallas(True)(*args)
         if mode == "auto" and kernel_ok:
-            return lax.platform_dependent(*args, cpu=xla(True), default=pallas(False))
+            # The kernel is Mosaic's (TPU) only: a GPU takes the XLA path.
+            return lax.platform_dependent(*args, cpu=xla(True), tpu=pallas(False),
+                                          default=xla(False))
         return lax.platform_dependent(*args, cpu=xla(True), default=xla(False))
+
+    return jax.jit(step)
+
+
+def split_leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, step, wd,
+                    rounding: str, fallback):
+    """`leaf_step` of a leaf whose parameter ``p`` (bf16) is kept by a split master (its
+    master's low half ``low``, uint16: `hifigrad.optim.master_weights` with ``master="split"``
+    over `hifigrad.optim.adamw`) and that master's update in the same step: ``(mu, nu, low,
+    update)``, the new codes, the master's new low half and the parameter's update (float32,
+    the new parameter less ``p``), where the master ``m`` becomes ``m + step * (u + wd * m)``
+    (``wd`` None: no weight decay; ``step``: the learning rate's signed step, a float32
+    scalar), as optax's chain computes it, split again with ``rounding``.
+
+    ``fallback`` is that same result from the unfused update (`leaf_step` and the optax chain
+    after it, in XLA): what this returns wherever the kernel does not run (a CPU, mode
+    ``"xla"``, a leaf `optim_pallas.supported` does not take, several devices). On a TPU the
+    kernel writes the new codes, low half and parameter in one pass, with no float32 direction
+    between it and the master's update (which the unfused update writes and reads back, and
+    XLA:TPU computes there in two fusions, one per output, each reading the direction, the
+    parameter and the low half); the fallback is then unused (XLA removes it). Bit for bit the
+    fallback's (tests/test_optim.py)."""
+    from . import optim_pallas
+
+    mode = _KERNEL[0]
+    kernel_ok = optim_pallas.supported(kind, np.shape(g)) and (
+        mode == "interpret" or (mode == "auto" and jax.device_count() == 1))
+    if not kernel_ok:
+        return tuple(fallback)
+    wd_arg = jnp.zeros((), jnp.float32) if wd is None else jnp.asarray(wd, jnp.float32)
+    args = (g, mu, nu, key, c1, c2, eps, p, low, jnp.asarray(step, jnp.float32), wd_arg,
+            *fallback)
+    try:
+        static = float(b1), float(b2)
+    except TypeError:  # traced
+        return _split_step_fn(kind, None, mode, rounding, wd is not None)(*args, b1, b2)
+    return _split_step_fn(kind, static, mode, rounding, wd is not None)(*args)
+
+
+@functools.cache
+def _split_step_fn(kind, static, mode, rounding, decay):
+    from . import optim_pallas
+
+    def step(g, mu, nu, key, c1, c2, eps, p, low, lr_step, wd, f_mu, f_nu, f_low, f_update,
+             *rates):
+        b1, b2 = static if static is not None else rates
+
+        def pallas(interpret):
+            def run(g, mu, nu, key, c1, c2, eps, p, low, lr_step, wd, *_):
+                new_mu, new_nu, new_low, bits = optim_pallas.split_leaf_step(
+                    kind, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, lr_step,
+                    wd if decay else None, rounding, interpret=interpret)
+                # the update `master_weights` returns: the new parameter less the old (exact)
+                new_p = lax.bitcast_convert_type(bits, jnp.bfloat16)
+                return (new_mu, new_nu, new_low,
+                        new_p.astype(jnp.float32) - jnp.asarray(p, jnp.float32))
+            return run
+
+        args = (g, mu, nu, key, c1, c2, eps, p, low, lr_step, wd, f_mu, f_nu, f_low, f_update)
+        if mode == "interpret":
+            return pallas(True)(*args)
+        return lax.platform_dependent(*args, tpu=pallas(False),
+                                      default=lambda *a: tuple(a[-4:]))
 
     return jax.jit(step)
 

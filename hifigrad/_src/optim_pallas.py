@@ -28,8 +28,19 @@ several trailing axes (a last axis under 64), and blocks of 64 to 256 elements o
 and Mosaic pads them; measured on a TPU v5e, a (16384, 16, 64) leaf took 5.1 ms in the kernel
 against 1.9 ms on the XLA path.
 
+**The split master's step** (`split_leaf_step`, for `hifigrad.optim.master_weights` with
+``master="split"`` over `hifigrad.optim.adamw`): the same kernel also reads the leaf's bf16
+parameter and its master's low half, applies the direction to the master as optax's chain does
+(weight decay, learning rate, the update), and writes the new low half in place and the new
+parameter's bits, instead of the direction: the unfused update writes that float32 direction
+and reads it back in XLA, where XLA:TPU computes the new parameter and the new low half in two
+fusions, each reading the direction, the parameter and the low half again.
+
 Measured on a TPU v5e (jax 0.10.2), one (4096, 4096) leaf: 1.8 ms ("8bit", "4bit") to 2.0
-ms ("fp16") against 4.0-4.5 ms on the XLA path and 1.5 ms for float32 Adam moments.
+ms ("fp16") against 4.0-4.5 ms on the XLA path and 1.5 ms for float32 Adam moments. The
+kernel moves its bytes far below the chip's memory bandwidth (1.6 ms for the 12 bytes per
+element of "8bit" codes: about 120 GB/s), so its arithmetic, more likely than its memory
+traffic, sets its time.
 """
 
 from __future__ import annotations
@@ -211,17 +222,49 @@ def _scale_weights():
     return jnp.asarray(w, jnp.bfloat16)
 
 
-def _kernel(kind, plan, key_ref, f_ref, w_ref, *refs):
+def _join_bits(hi, lo, rounding):
+    """`hifigrad.optim._join` on int32 lanes: the float32 master's bits from its bf16
+    parameter's bits ``hi`` and its low half ``lo`` (each in [0, 2**16))."""
+    plain = (hi << 16) | lo
+    if rounding == "truncate":
+        return plain
+    special = (hi & 0x7F80) == 0x7F80
+    inf = special & ((hi & 0x7F) == 0)
+    rounded_up = (lo >= 0x8000) & (jnp.logical_not(special) | inf)
+    return jnp.where(rounded_up, (hi << 16) - (0x10000 - lo), plain)
+
+
+def _bf16_bits(u, rounding):
+    """`hifigrad.optim.round_to_bf16` (``"nearest_away"`` or ``"truncate"``) of the float32
+    bits ``u`` on int32 lanes: the bf16's bits."""
+    hi, lo = _srl(u, 16), u & 0xFFFF
+    special = (hi & 0x7F80) == 0x7F80
+    nan_kept = jnp.where(special & ((hi & 0x7F) == 0) & (lo != 0), hi | 0x40, hi)
+    if rounding == "truncate":
+        return nan_kept
+    up = ((lo >= 0x8000) & jnp.logical_not(special)).astype(jnp.int32)
+    return jnp.where(special, nan_kept, hi + up)
+
+
+def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
     rows, last, cols, tr = plan
     width, (enc, dec), (senc, sdec) = _codes_of(kind)
     sign, mag = 1 << (width - 1), (1 << (width - 1)) - 1
     four = kind == "4bit"
-    if four:
-        g_ref, mu_ref, new_mu_ref, u_ref = refs
+    n_in = 2 if four else 3
+    ins, outs = refs[:n_in + (2 if split else 0)], refs[n_in + (2 if split else 0):]
+    g_ref, mu_ref = ins[0], ins[1]
+    nu_ref = None if four else ins[2]
+    new_mu_ref = outs[0]
+    new_nu_ref = None if four else outs[1]
+    if split:   # the split master's parameter and low half in, both updated (no direction)
+        p_ref, low_ref = ins[n_in], ins[n_in + 1]
+        new_low_ref, new_p_ref = outs[-2], outs[-1]
+        rounding, decay = split
     else:
-        g_ref, mu_ref, nu_ref, new_mu_ref, new_nu_ref, u_ref = refs
+        u_ref = outs[-1]
     key = key_ref[0]
-    b1, nb1, b2, nb2, r1, r2, eps = (f_ref[i] for i in range(7))
+    b1, nb1, b2, nb2, r1, r2, eps, wd, step = (f_ref[i] for i in range(9))
     row0 = pl.program_id(0) * tr
     col0 = pl.program_id(1) * cols
     sub = _SUB_ROWS if tr % _SUB_ROWS == 0 else tr
@@ -274,7 +317,21 @@ def _kernel(kind, plan, key_ref, f_ref, w_ref, *refs):
         new_sw = (sbit << (width - 1)) | senc(rel_s, _srl(bits, 16))
         # this step's direction (hifigrad.optim.scale_by_adam), from the unrounded moments
         vv = jnp.maximum(v, nb2 * jnp.square(g))
-        u_ref[rs, cs] = (m * r1) / (jnp.sqrt(vv * r2) + eps)
+        u = (m * r1) / (jnp.sqrt(vv * r2) + eps)
+        if not split:
+            u_ref[rs, cs] = u
+        else:
+            # the split master's update (`hifigrad.optim.master_weights` over `adamw`, as
+            # optax computes it: weight decay ``u + wd * master`` where the mask takes the
+            # leaf, the learning rate ``step * u``, then ``master + u``), its new low half and
+            # its parameter rounded (`hifigrad.optim._split`)
+            hi = p_ref[rs, cs].astype(jnp.int32) & 0xFFFF
+            lo = low_ref[rs, cs].astype(jnp.int32) & 0xFFFF
+            full = _float(_join_bits(hi, lo, rounding))
+            x = u + wd * full if decay else u
+            new = _bits(full + step * x)
+            new_low_ref[rs, cs] = (new & 0xFFFF).astype(new_low_ref.dtype)
+            new_p_ref[rs, cs] = _bf16_bits(new, rounding).astype(new_p_ref.dtype)
         if four:
             new_mu_ref[rs, cs] = ((new_mw << 4) | new_sw).astype(new_mu_ref.dtype)
         else:
@@ -290,46 +347,98 @@ def _kernel(kind, plan, key_ref, f_ref, w_ref, *refs):
     lax.fori_loop(0, tr // sub, body, 0)
 
 
+# 16-bit float operands (the fp16 first moment's codes, the split master's bf16 parameter)
+# go into the kernel as their bits, uint16, bitcast outside it and back. Measured on a TPU v5e
+# (jax 0.10.2), the alternatives were no better: Mosaic takes no float16 operand ("Only
+# arguments with ... bfloat16 or 32-bit element types are supported"); a bf16 parameter viewed
+# as its bits in the kernel (a ref bitcast) was no faster than its bitcast outside (split+fp16
+# at 31.5M parameters: 1.61x the float32 master's update against 1.56x); and XLA's fusion of
+# the bitcasts into the kernel's inputs (Pallas's allow_input_fusion) failed to compile (an
+# internal RET_CHECK in XLA:TPU's rematerialization). Such a bitcast outside is a pass over the
+# leaf on a TPU (XLA:TPU fuses a bitcast into an XLA consumer, not into a custom call).
+
+
+def _call(kind, g, codes, extra, scal, key, split, interpret):
+    """The kernel on a leaf's (rows, last axis) views: ``codes`` (the stored moments), with
+    ``split`` also ``extra`` (the bf16 parameter, its master's low half). Returns the outputs
+    of the leaf's shape: the new codes, then the direction (float32) or the new low half and
+    the new parameter's bits (uint16)."""
+    shape = np.shape(g)
+    plan = _plan(shape)
+    rows, last, cols, tr = plan
+    dtypes = [x.dtype for x in codes]
+
+    def view(x):
+        if x.dtype in (jnp.float16, jnp.bfloat16):
+            x = lax.bitcast_convert_type(x, jnp.uint16)
+        return jnp.reshape(x, (rows, last))
+
+    ins = [view(x) for x in (*codes, *extra)]
+    n = len(codes)
+    grid = (pl.cdiv(rows, tr), last // cols)
+    tile = pl.BlockSpec((tr, cols), lambda i, k: (i, k))
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    out_shape = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in ins[:n]]
+    if split:
+        out_shape += [jax.ShapeDtypeStruct((rows, last), jnp.uint16)] * 2
+        aliases = {4 + i: i for i in range(n)} | {4 + n + 1: n}   # the codes, the low half
+    else:
+        out_shape += [jax.ShapeDtypeStruct((rows, last), jnp.float32)]
+        aliases = {4 + i: i for i in range(n)}
+    outs = pl.pallas_call(
+        functools.partial(_kernel, kind, plan, split),
+        grid=grid,
+        in_specs=[smem, smem, pl.BlockSpec((128, 512), lambda i, k: (0, 0)), tile]
+        + [tile] * len(ins),
+        out_specs=[tile] * len(out_shape),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(key, scal, _scale_weights(), jnp.reshape(g, (rows, last)), *ins)
+    outs = [jnp.reshape(o, shape) for o in outs]
+    for i, dtype in enumerate(dtypes):
+        if outs[i].dtype != dtype:   # the bits back
+            outs[i] = lax.bitcast_convert_type(outs[i], dtype)
+    return outs
+
+
+def _scalars(b1, b2, c1, c2, eps, wd=0.0, step=0.0):
+    """The kernel's float32 scalars, as `optim_codes._update` rounds them: b1 and 1 - b1 (a
+    Python float's in double precision, then float32; a traced one's in float32); the bias
+    corrections' reciprocals (`optim_codes._xla_step`); eps; the split master's weight decay
+    and learning-rate step."""
+    c1, c2 = (jnp.asarray(c, jnp.float32) for c in (c1, c2))
+    return jnp.stack([jnp.asarray(x, jnp.float32) for x in
+                      (b1, 1 - b1, b2, 1 - b2, 1 / c1, 1 / c2, eps, wd, step)]
+                     + [jnp.zeros((), jnp.float32)] * 7)
+
+
+def _key(key):
+    return lax.bitcast_convert_type(jnp.asarray(key, jnp.uint32), jnp.int32).reshape(1)
+
+
 def leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps, *, interpret: bool = False):
     """One Adam step of a leaf (`optim_codes.leaf_step`'s contract): ``(mu, nu, u)``, the new
     stored state and this step's direction ``(m / c1) / (sqrt(max(v, (1 - b2) g**2) / c2) +
     eps)``, in one Pallas kernel. ``key``: the leaf's `step_keys` key; ``b1``, ``b2``, ``eps``:
     Python floats or float32 scalars; ``c1``, ``c2``: the bias corrections (float32 scalars).
     Only for a leaf that `supported` takes."""
-    shape = np.shape(g)
-    plan = _plan(shape)
-    rows, last, cols, tr = plan
-    # the scalars as `optim_codes._update` rounds them: b1 and 1 - b1 (a Python float's in
-    # double precision, then float32; a traced one's in float32); the bias corrections'
-    # reciprocals (`optim_codes._xla_step`)
-    c1, c2 = (jnp.asarray(c, jnp.float32) for c in (c1, c2))
-    scal = jnp.stack([jnp.asarray(x, jnp.float32) for x in
-                      (b1, 1 - b1, b2, 1 - b2, 1 / c1, 1 / c2, eps, 0.0)])
-    key = lax.bitcast_convert_type(jnp.asarray(key, jnp.uint32), jnp.int32).reshape(1)
-    four = kind == "4bit"
-    if kind == "fp16":
-        mu = lax.bitcast_convert_type(mu, jnp.uint16)
-    view = lambda x: jnp.reshape(x, (rows, last))
-    codes = [view(mu)] if four else [view(mu), view(nu)]
-    grid = (pl.cdiv(rows, tr), last // cols)
-    tile = pl.BlockSpec((tr, cols), lambda i, k: (i, k))
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    out_shape = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in codes] + [
-        jax.ShapeDtypeStruct((rows, last), jnp.float32)]
-    outs = pl.pallas_call(
-        functools.partial(_kernel, kind, plan),
-        grid=grid,
-        in_specs=[smem, smem, pl.BlockSpec((128, 512), lambda i, k: (0, 0)), tile]
-        + [tile] * len(codes),
-        out_specs=[tile] * len(out_shape),
-        out_shape=out_shape,
-        input_output_aliases={4 + i: i for i in range(len(codes))},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=interpret,
-    )(key, scal, _scale_weights(), view(g), *codes)
-    u = jnp.reshape(outs[-1], shape)
-    new_mu = jnp.reshape(outs[0], shape)
-    if kind == "fp16":
-        new_mu = lax.bitcast_convert_type(new_mu, jnp.float16)
-    new_nu = () if four else jnp.reshape(outs[1], shape)
-    return new_mu, new_nu, u
+    codes = [mu] if kind == "4bit" else [mu, nu]
+    outs = _call(kind, g, codes, (), _scalars(b1, b2, c1, c2, eps), _key(key), None, interpret)
+    return outs[0], (() if kind == "4bit" else outs[1]), outs[-1]
+
+
+def split_leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, step, wd,
+                    rounding: str, *, interpret: bool = False):
+    """`leaf_step` and the split master's update of its parameter in the same kernel
+    (`optim_codes.split_leaf_step`'s contract): ``(mu, nu, low, p_bits)``, the new codes, the
+    master's new low half and the new bf16 parameter's bits (uint16), from the bf16 parameter
+    ``p`` and its master's low half ``low`` (uint16): the master ``m`` (`hifigrad.optim._join`)
+    becomes ``m + step * (u + wd * m)`` (``wd`` None: ``m + step * u``), split again with
+    ``rounding`` (``"nearest_away"`` or ``"truncate"``). No float32 direction is written."""
+    codes = [mu] if kind == "4bit" else [mu, nu]
+    scal = _scalars(b1, b2, c1, c2, eps, 0.0 if wd is None else wd, step)
+    outs = _call(kind, g, codes, (p, low), scal, _key(key), (rounding, wd is not None),
+                 interpret)
+    return outs[0], (() if kind == "4bit" else outs[1]), outs[-2], outs[-1]
