@@ -374,11 +374,29 @@ def leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps):
     (`_view`), as one row elsewhere (`kernel` chooses otherwise). A nested
     ``jax.jit`` per leaf shape (XLA inlines it), so that a model of many leaves of a few
     shapes traces and lowers the coded update a few times, not once per leaf."""
+    static, traced = _rates(b1, b2)
+    return _leaf_step_fn(kind, static, _KERNEL[0])(g, mu, nu, key, c1, c2, eps, *traced)
+
+
+def _rates(b1, b2):
+    """``(static, traced)`` of the decay rates: ``((b1, b2), ())`` as Python floats, the
+    jitted step's constants; traced (`optax.inject_hyperparams`): ``(None, (b1, b2))``, its
+    arguments."""
     try:
-        static = float(b1), float(b2)
-    except TypeError:  # traced (optax.inject_hyperparams): arguments of the jitted update
-        return _leaf_step_fn(kind, None, _KERNEL[0])(g, mu, nu, key, c1, c2, eps, b1, b2)
-    return _leaf_step_fn(kind, static, _KERNEL[0])(g, mu, nu, key, c1, c2, eps)
+        return (float(b1), float(b2)), ()
+    except TypeError:
+        return None, (b1, b2)
+
+
+def _kernel_takes(kind, shape, mode) -> bool:
+    """Whether the Pallas kernel updates a leaf of this shape in `kernel` mode ``mode``:
+    ``"interpret"``, wherever `optim_pallas.supported` takes it; ``"auto"``, also only on one
+    device (a pallas_call is not partitioned: under a sharded jit XLA would gather a sharded
+    leaf and its state onto each device for it)."""
+    from . import optim_pallas
+
+    return optim_pallas.supported(kind, shape) and (
+        mode == "interpret" or (mode == "auto" and jax.device_count() == 1))
 
 
 def _xla_step(kind, g, mu, nu, key, c1, c2, eps, b1, b2, split):
@@ -397,11 +415,7 @@ def _leaf_step_fn(kind, static, mode):
 
     def step(g, mu, nu, key, c1, c2, eps, *rates):
         b1, b2 = static if static is not None else rates
-        shape = np.shape(g)
-        # One device only: a pallas_call is not partitioned, so under a sharded jit XLA would
-        # gather a sharded leaf (and its state) onto each device for it.
-        kernel_ok = optim_pallas.supported(kind, shape) and (
-            mode == "interpret" or jax.device_count() == 1)
+        kernel_ok = _kernel_takes(kind, np.shape(g), mode)
 
         def xla(split):
             return lambda *a: _xla_step(kind, *a, b1=b1, b2=b2, split=split)
@@ -413,9 +427,9 @@ def _leaf_step_fn(kind, static, mode):
             return run
 
         args = (g, mu, nu, key, c1, c2, eps)
-        if mode == "interpret" and kernel_ok:
+        if kernel_ok and mode == "interpret":
             return pallas(True)(*args)
-        if mode == "auto" and kernel_ok:
+        if kernel_ok:  # mode "auto"
             # The kernel is Mosaic's (TPU) only: a GPU takes the XLA path.
             return lax.platform_dependent(*args, cpu=xla(True), tpu=pallas(False),
                                           default=xla(False))
@@ -442,21 +456,15 @@ def split_leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, step
     XLA:TPU computes there in two fusions, one per output, each reading the direction, the
     parameter and the low half); the fallback is then unused (XLA removes it). Bit for bit the
     fallback's (tests/test_optim.py)."""
-    from . import optim_pallas
 
     mode = _KERNEL[0]
-    kernel_ok = optim_pallas.supported(kind, np.shape(g)) and (
-        mode == "interpret" or (mode == "auto" and jax.device_count() == 1))
-    if not kernel_ok:
+    if not _kernel_takes(kind, np.shape(g), mode):
         return tuple(fallback)
     wd_arg = jnp.zeros((), jnp.float32) if wd is None else jnp.asarray(wd, jnp.float32)
     args = (g, mu, nu, key, c1, c2, eps, p, low, jnp.asarray(step, jnp.float32), wd_arg,
             *fallback)
-    try:
-        static = float(b1), float(b2)
-    except TypeError:  # traced
-        return _split_step_fn(kind, None, mode, rounding, wd is not None)(*args, b1, b2)
-    return _split_step_fn(kind, static, mode, rounding, wd is not None)(*args)
+    static, traced = _rates(b1, b2)
+    return _split_step_fn(kind, static, mode, rounding, wd is not None)(*args, *traced)
 
 
 @functools.cache
