@@ -25,8 +25,18 @@ PYTEST_WORKERS ?= 2
 # suite compiles many programs more than once: a test's jitted and staged twins, the same model
 # in several modules); a JAX_COMPILATION_CACHE_DIR already set (CI's, shared by the lanes of a
 # release) is used instead and kept.
+# XLA:CPU compiles the tests' programs with LLVM at optimization level 1 (TEST_XLA_FLAGS; XLA's
+# default is 3): the tests' programs are small and run a few times each, so generating their
+# machine code is most of a test's time. XLA's own passes (fusion, layout, buffer assignment)
+# do not read this level, so the programs, their numerics and their memory figures are those
+# a user's default compile gives (the suite's bit-for-bit comparisons pass at it; at level 0
+# one does not, so 0 is not used). Measured on jax 0.12.1, tests/test_checkpoint.py alone:
+# 116 s at the default level, 96 s at 1. A user's XLA_FLAGS come after it, so theirs win;
+# TEST_XLA_FLAGS= runs at XLA's default. Not used on a TPU (`make tpu-check`).
+TEST_XLA_FLAGS ?= --xla_backend_optimization_level=1
 define pytest
 	@set -e; \
+	export XLA_FLAGS="$(strip $(TEST_XLA_FLAGS) $${XLA_FLAGS:-})"; \
 	if [ -z "$${JAX_COMPILATION_CACHE_DIR:-}" ]; then \
 		own=$$(mktemp -d "$${TMPDIR:-/tmp}/hifigrad-jax-cache.XXXXXX"); trap 'rm -rf "$$own"' EXIT; \
 		export JAX_COMPILATION_CACHE_DIR=$$own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -65,13 +75,15 @@ TPU_CHOICES ?= tests/test_checkpoint.py tests/test_compress.py tests/test_separa
 venv: $(STAMP)
 
 # $(call make_venv,DIR,EXTRA): a venv at DIR with hifigrad[EXTRA] installed (editable), with
-# exactly the pinned packages of JAX=<release> when it is given.
+# exactly the pinned packages of JAX=<release> when it is given. pip --no-compile: Python
+# compiles a module's bytecode when it is first imported, and a run imports a fraction of what
+# is installed (pip's byte-compiling took 49 of the 65 CPU seconds of a [test] install).
 define make_venv
 @if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
 	echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
 $(PYTHON) -m venv $(1)
 $(1)/bin/python -m pip install -q --upgrade pip
-$(1)/bin/python -m pip install -q -e '.[$(2)]' $(if $(PINS),-c $(PINS))
+$(1)/bin/python -m pip install -q --no-compile -e '.[$(2)]' $(if $(PINS),-c $(PINS))
 touch $(1)/.installed-stamp
 endef
 
