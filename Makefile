@@ -75,15 +75,17 @@ TPU_CHOICES ?= tests/test_checkpoint.py tests/test_compress.py tests/test_separa
 venv: $(STAMP)
 
 # $(call make_venv,DIR,EXTRA): a venv at DIR with hifigrad[EXTRA] installed (editable), with
-# exactly the pinned packages of JAX=<release> when it is given. pip --no-compile: Python
-# compiles a module's bytecode when it is first imported, and a run imports a fraction of what
-# is installed (pip's byte-compiling took 49 of the 65 CPU seconds of a [test] install).
+# exactly the pinned packages of JAX=<release> when it is given. (pip byte-compiles what it
+# installs, 49 of a [test] install's 65 CPU seconds, and that stays: with --no-compile, where
+# PYTHONDONTWRITEBYTECODE is set (as on this machine), every process compiled jax and flax from
+# source at import: CI's subset lanes, in 2 pytest processes and their children, took 287 and
+# 307 s against 233 and 188 s.)
 define make_venv
 @if [ -n "$(JAX)" ] && [ ! -f "$(PINS)" ]; then \
 	echo "no pins for JAX=$(JAX): tested releases are $$(ls ci | sed -n 's/^jax-\(.*\)\.txt$$/\1/p' | tr '\n' ' ')"; exit 2; fi
 $(PYTHON) -m venv $(1)
 $(1)/bin/python -m pip install -q --upgrade pip
-$(1)/bin/python -m pip install -q --no-compile -e '.[$(2)]' $(if $(PINS),-c $(PINS))
+$(1)/bin/python -m pip install -q -e '.[$(2)]' $(if $(PINS),-c $(PINS))
 touch $(1)/.installed-stamp
 endef
 
