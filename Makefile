@@ -27,11 +27,12 @@ PYTEST_WORKERS ?= 2
 # release) is used instead and kept.
 # XLA:CPU compiles the tests' programs with LLVM at optimization level 1 (TEST_XLA_FLAGS; XLA's
 # default is 3): the tests' programs are small and run a few times each, so generating their
-# machine code is most of a test's time. XLA's own passes (fusion, layout, buffer assignment)
-# do not read this level, so the programs, their numerics and their memory figures are those
-# a user's default compile gives (the suite's bit-for-bit comparisons pass at it; at level 0
-# one does not, so 0 is not used). Measured on jax 0.12.1, tests/test_checkpoint.py alone:
-# 116 s at the default level, 96 s at 1. A user's XLA_FLAGS come after it, so theirs win;
+# machine code is a large share of a test's time. On XLA:CPU the level is LLVM's code
+# generation only: three programs of hg.grad over checkpoints compiled to the same optimized
+# HLO, memory_analysis and gradient bits at 3 and at 1 (and the suite's bit-for-bit
+# comparisons pass at 1; at level 0 one does not, so 0 is not used). Measured on jax 0.12.1,
+# tests/test_checkpoint.py alone: 116 s at the default level, 96 s at 1; make test-quick back
+# to back: 180 s against 154 s of tests. A user's XLA_FLAGS come after it, so theirs win;
 # TEST_XLA_FLAGS= runs at XLA's default. Not used on a TPU (`make tpu-check`).
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=1
 define pytest
