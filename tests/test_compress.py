@@ -903,3 +903,89 @@ def test_the_first_block_of_an_unrolled_stack_slices(monkeypatch):
     assert hg.slice_report(hg.grad(cc), ws, x) == ["sliced: 4 slices of 2 batch rows"] * 3
     whole = hg.compress_checkpoints(loss, "int8", backward_slices=1)
     _close_to_largest(jax.jit(hg.grad(cc))(ws, x), jax.jit(hg.grad(whole))(ws, x), rtol=1e-5)
+
+
+# ------------------------------------------------ a scan over a transposed stack of weights
+
+def _stacked_on_axis_1(n=4, d=32, f=64, seed=0):
+    """MLP weights stacked on axis 1, as ``nnx.scan(in_axes=1)`` and MaxText's
+    ``param_scan_axis=1`` keep them: ``wi`` [d, n, f], ``wo`` [f, n, d], ``scale`` [d, n]."""
+    k = jax.random.split(jax.random.key(seed), 3)
+    return dict(wi=jax.random.normal(k[0], (d, n, f)) * 0.2,
+                wo=jax.random.normal(k[1], (f, n, d)) * 0.2,
+                scale=1.0 + 0.1 * jax.random.normal(k[2], (d, n)))
+
+
+def _mlp_layer(h, w):
+    h32 = h.astype(jnp.float32)
+    n = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + 1e-6) * w["scale"][None]
+    a = n.astype(h.dtype) @ w["wi"].astype(h.dtype)
+    return h + jax.nn.gelu(a) @ w["wo"].astype(h.dtype), None
+
+
+def _on_axis(axis, reverse=False, used_outside=False):
+    """The loss of a remat scan over the stack, its layers on ``axis`` (moved to the front
+    before the scan, as the frameworks do, when it is 1)."""
+    def loss(p, x):
+        xs = p if axis == 0 else jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), p)
+
+        def step(h, w):
+            h, _ = jax.checkpoint(_mlp_layer)(h, w)
+            if used_outside:  # the slice is used outside the checkpoint too
+                h = h * (1 + jnp.mean(w["scale"])).astype(h.dtype)
+            return h, None
+
+        h = jax.lax.scan(step, x, xs, reverse=reverse)[0]
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+    return loss
+
+
+def _to_axis_0(p):
+    return jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), p)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scan_over_a_transposed_stack_equals_the_untransposed_one(maybe_jit, reverse):
+    """Each step's weights are read from the untransposed stack (`checkpoint.Derived`): the
+    gradients are those of the same model with its stack on axis 0 (the same float32
+    arithmetic; XLA may fuse the strided slice into a matmul and sum its products in another
+    order: a few float32 ulps, RTOL), and the forward is the function's own, bit for bit."""
+    p = _stacked_on_axis_1()
+    x = jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16)
+    got = maybe_jit(hg.grad(hg.compress_checkpoints(_on_axis(1, reverse), "int8")))(p, x)
+    want = maybe_jit(hg.grad(hg.compress_checkpoints(_on_axis(0, reverse), "int8")))(
+        _to_axis_0(p), x)
+    _close(_to_axis_0(got), want)
+    assert maybe_jit(hg.compress_checkpoints(_on_axis(1, reverse), "int8"))(p, x) == \
+        maybe_jit(_on_axis(1, reverse))(p, x)
+
+
+@pytest.mark.parametrize("used_outside", [False, True])
+def test_a_scan_over_a_transposed_stack_against_jax_grad(maybe_jit, used_outside):
+    """float32 and codec 'none': hg.grad equals jax.grad of the function as written (a slice
+    used outside the checkpoint too is left to the scan, as before)."""
+    p = _stacked_on_axis_1()
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    loss = _on_axis(1, used_outside=used_outside)
+    with highest_precision():
+        got = maybe_jit(hg.grad(hg.compress_checkpoints(loss, "none")))(p, x)
+        want = maybe_jit(jax.grad(loss))(p, x)
+    _close(got, want, rtol=1e-5)
+
+
+def test_a_scan_over_a_transposed_stack_holds_no_transposed_copy():
+    """The compiled step over the stack on axis 1 needs the temp of the step over the stack on
+    axis 0: no transposed copy of the weights, and their gradients go to one buffer of the
+    parameters' shape."""
+    p = _stacked_on_axis_1(n=4, d=64, f=256)
+    x = jax.random.normal(jax.random.key(1), (64, 64)).astype(jnp.bfloat16)
+
+    def temp(axis, outer=hg.grad):
+        step = outer(hg.compress_checkpoints(_on_axis(axis), "int8"))
+        args = (p if axis == 1 else _to_axis_0(p), x)
+        return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    # A transposed copy adds the weights' bytes (513 KiB: it did, under both outer
+    # transforms); the loop's step index and a few scalars are all that may differ.
+    for outer in (hg.grad, jax.grad):
+        assert temp(1, outer) <= temp(0, outer) + 4096, (temp(1, outer), temp(0, outer))

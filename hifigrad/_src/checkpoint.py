@@ -56,10 +56,12 @@ What is saved (``save=``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,26 +138,57 @@ def _check_encodable(x):
 
 def _encoded_call(fun_flat: Callable, codec: Codec, policy: Policy, encode: Sequence[bool],
                   args: Sequence, consts: Sequence, save: str = "inputs", state=None,
-                  slice_plan=None):
+                  slice_plan=None, derived=None):
     if save == "residuals":
         return _ckpt_res(fun_flat, codec, policy, tuple(encode), tuple(args), tuple(consts))
-    return _ckpt(fun_flat, codec, policy, tuple(encode), slice_plan, tuple(args),
-                 tuple(consts), {} if state is None else dict(state))
+    derived = derived or {}
+    derive = tuple((i, d.axis, d.perm) for i, d in sorted(derived.items()))
+    # The sources a derived input is re-read from: not differentiated through this
+    # checkpoint (the input's own cotangent carries the gradient, through the slicing that
+    # made it), saved as they are: a scan's loop-invariant const and its step index.
+    aux = tuple((lax.stop_gradient(d.source), d.index) for _, d in sorted(derived.items()))
+    return _ckpt(fun_flat, codec, policy, tuple(encode), slice_plan, derive, tuple(args),
+                 tuple(consts), {} if state is None else dict(state), aux)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _ckpt(fun_flat, codec, policy, encode, plan, args, consts, state):
-    del state, plan
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """A checkpoint input that is one step's slice of a scanned array: ``transpose(
+    index_in_dim(source, index, axis), perm)``. The checkpoint saves ``source`` (a loop
+    invariant, alive anyway) and ``index`` instead of the slice, and re-reads the slice in
+    its backward, so that a scan over a transposed stack of weights (``nnx.scan`` with
+    ``in_axes=1``, MaxText's ``param_scan_axis=1``) needs no transposed copy of them."""
+
+    source: Any
+    index: Any
+    axis: int
+    perm: tuple | None  # None: no transpose after the slice
+
+    def value(self):
+        return derive_slice(self.source, self.index, self.axis, self.perm)
+
+
+def derive_slice(source, index, axis: int, perm):
+    """``transpose(source[..., index, ...], perm)``, the index along ``axis``."""
+    x = lax.dynamic_index_in_dim(source, index, axis, keepdims=False)
+    return x if perm is None else lax.transpose(x, perm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _ckpt(fun_flat, codec, policy, encode, plan, derive, args, consts, state, aux):
+    del state, plan, derive, aux
     return fun_flat(*args, *consts)
 
 
-def _ckpt_fwd(fun_flat, codec, policy, encode, plan, args, consts, state):
+def _ckpt_fwd(fun_flat, codec, policy, encode, plan, derive, args, consts, state, aux):
     del plan
     out = fun_flat(*args, *consts)
     kw = {"state": state} if state else {}  # a delayed-scaling codec's state
-    saved = tuple(codec.encode(x, **kw) if e else x for x, e in zip(args, encode))
+    skip = {i for i, _, _ in derive}  # re-read from `aux` in the backward, not saved
+    saved = tuple(None if i in skip else codec.encode(x, **kw) if e else x
+                  for i, (x, e) in enumerate(zip(args, encode)))
     dtypes = tuple(jnp.result_type(x) for x in (*args, *consts))
-    return out, (saved, consts, _Dtypes(dtypes), state)
+    return out, (saved, consts, _Dtypes(dtypes), state, aux)
 
 
 def _input_cotangents(cts_in, dtypes, n_args: int) -> tuple[tuple, tuple]:
@@ -177,11 +210,13 @@ jax.tree_util.register_pytree_node(_Dtypes, lambda d: ((), d.dtypes),
                                    lambda aux, _: _Dtypes(aux))
 
 
-def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
+def _ckpt_bwd(fun_flat, codec, policy, encode, plan, derive, res, cts):
     from .api import promoted_region
 
-    saved, consts, dtypes, state = res
+    saved, consts, dtypes, state, aux = res
     args = [codec.decode(s, dt) if e else s for s, e, dt in zip(saved, encode, dtypes.dtypes)]
+    for (i, axis, perm), (source, index) in zip(derive, aux):
+        args[i] = derive_slice(source, index, axis, perm)
     n = len(args)
 
     def backward(cts):
@@ -196,8 +231,16 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, plan, res, cts):
     # Built in the tangent dtype already: not promoted again by an enclosing hg.grad.
     cts_in = promoted_region(backward, cts, policy)
     args_ct, consts_ct = _input_cotangents(cts_in, dtypes.dtypes, n)
-    # The scaling state is not differentiated (like an optimizer state).
-    return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state)
+    # The scaling state is not differentiated (like an optimizer state), nor are a derived
+    # input's sources (stopped: their cotangents are never read).
+    aux_ct = tuple((jnp.zeros_like(source), _zero_ct(index)) for source, index in aux)
+    return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state), aux_ct
+
+
+def _zero_ct(x):
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def _whole_backward(fun_flat, policy, args, consts, cts):
@@ -1241,7 +1284,7 @@ def _chosen_args(argnums, n: int) -> frozenset | None:
 
 
 def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", state=None,
-                    *, backward_slices: int | None = None):
+                    *, backward_slices: int | None = None, derived=None):
     """Calls ``fun(*tree_unflatten(in_tree, flat))`` as a compressed checkpoint.
 
     Args:
@@ -1254,6 +1297,8 @@ def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", st
         hifigrad transform tracing it, else the default); save: a `check_save`-d mode.
       state: a delayed-scaling codec's state, or None.
       backward_slices: as in `checkpoint` (None: automatic).
+      derived: {position in `flat`: `Derived`}: inputs that are slices of a loop invariant,
+        re-read from it in the backward instead of saved (``save="inputs"`` only).
 
     Returns:
       `fun`'s output pytree.
@@ -1263,7 +1308,8 @@ def checkpoint_call(fun, flat, in_tree, encode, codec, policy, save="inputs", st
     converted, consts = jax.closure_convert(fun_flat, *flat)
     plan = _slice_plan(fun_flat, converted, consts, flat, encode, policy, save,
                        check_slices(backward_slices))
-    out = _encoded_call(converted, codec, policy, encode, flat, consts, save, state, plan)
+    out = _encoded_call(converted, codec, policy, encode, flat, consts, save, state, plan,
+                        derived)
     return tree_unflatten(box[-1], list(out))
 
 

@@ -47,7 +47,7 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_unflatten
 
 from . import compat
-from .checkpoint import check_checkpoint_args, checkpoint_call
+from .checkpoint import Derived, check_checkpoint_args, checkpoint_call
 from .dtypes import is_real_float
 from .policy import Policy
 
@@ -92,8 +92,20 @@ class _Rewriter:
 
     def __init__(self, codec, policy: Policy, save: str, slices: int | None = None):
         self.codec, self.policy, self.save, self.slices = codec, policy, save, slices
+        # The jaxpr being evaluated: its vars made by a transpose -> (operand, permutation)
+        # (a scan over a transposed stack, `_scan`); and traced values that are one scan
+        # step's slice of a loop invariant: id -> (value, `Derived`), read by `remat`.
+        self.transposed: dict = {}
+        self.derived: dict = {}
 
     def eval(self, jaxpr, consts: Sequence, args: Sequence, alive: Sequence[bool]):
+        outer, self.transposed = self.transposed, {}
+        try:
+            return self._eval(jaxpr, consts, args, alive)
+        finally:
+            self.transposed = outer
+
+    def _eval(self, jaxpr, consts: Sequence, args: Sequence, alive: Sequence[bool]):
         env: dict = {}
 
         def read(v):
@@ -112,6 +124,8 @@ class _Rewriter:
             outs, out_alive = self.eqn(eqn, list(vals), list(flags))
             for v, x, a in zip(eqn.outvars, outs, out_alive):
                 write(v, x, a)
+            if eqn.primitive.name == "transpose":
+                self.transposed[eqn.outvars[0]] = (vals[0], tuple(eqn.params["permutation"]))
         res = [read(v) for v in jaxpr.outvars]
         return [x for x, _ in res], [a for _, a in res]
 
@@ -148,11 +162,16 @@ class _Rewriter:
         # and resizes it to slices of the batch where its backward may run in slices.
         body = functools.partial(_eval_plain_args, jaxpr, consts)
         flat = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in vals]
-        encode = [not a and _is_activation_dtype(v.aval) for v, a in zip(eqn.invars, alive)]
+        derived = {i: self.derived[id(x)][1] for i, x in enumerate(vals)
+                   if self.save == "inputs" and id(x) in self.derived
+                   and self.derived[id(x)][0] is x}
+        encode = [not a and _is_activation_dtype(v.aval) and i not in derived
+                  for i, (v, a) in enumerate(zip(eqn.invars, alive))]
         in_tree = jax.tree_util.tree_structure(tuple(flat))
         with compat.eqn_context(eqn):
             out = checkpoint_call(lambda *a: list(body(*a)), flat, in_tree, encode, self.codec,
-                                  self.policy, self.save, backward_slices=self.slices)
+                                  self.policy, self.save, backward_slices=self.slices,
+                                  derived=derived)
         return list(out)
 
 
@@ -183,16 +202,68 @@ def _scan(rw: _Rewriter, eqn, vals, alive):
     body = eqn.params["jaxpr"]
     consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
     body_alive = [*alive[:nc], *([False] * nk), *alive[nc + nk:]]
+    sliced = _sliced_in_steps(rw, eqn, nc + nk)
+    length = eqn.params["length"]
 
     def step(carry, x):
-        outs, _ = rw.eval_closed(body, [*consts, *carry, *(x or ())], body_alive)
+        x = list(x or ())
+        if sliced:  # the transposed stacks' slices, read from the untransposed arrays
+            index = x.pop()
+            got = iter(x)
+            x = []
+            for j in range(len(xs)):
+                if j in sliced:
+                    d = Derived(sliced[j][0], index, *sliced[j][1:])
+                    v = d.value()
+                    rw.derived[id(v)] = (v, d)
+                    x.append(v)
+                else:
+                    x.append(next(got))
+        outs, _ = rw.eval_closed(body, [*consts, *carry, *x], body_alive)
         return outs[:nk], outs[nk:]
 
-    carry, ys = lax.scan(step, list(init), list(xs) if xs else None,
-                         length=eqn.params["length"], reverse=eqn.params["reverse"],
-                         unroll=eqn.params["unroll"])
+    xs_in = [x for j, x in enumerate(xs) if j not in sliced]
+    if sliced:
+        xs_in.append(jnp.arange(length, dtype=jnp.int32))
+    try:
+        carry, ys = lax.scan(step, list(init), xs_in or None, length=length,
+                             reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    finally:
+        rw.derived.clear()
     outs = [*carry, *ys]
     return outs, [False] * len(outs)
+
+
+def _sliced_in_steps(rw: _Rewriter, eqn, first_x: int) -> dict:
+    """{xs position: (untransposed array, axis, perm)} for each of a scan's ``xs`` that is a
+    transpose of a float array and that the body passes only to checkpoints.
+
+    A framework's scan over layers whose weights are stacked along another axis than the first
+    (``nnx.scan(..., in_axes=1)``, ``nn.scan(variable_axes={"params": 1})``, MaxText's
+    ``param_scan_axis=1``) transposes every stack before the loop: on XLA:CPU (and wherever
+    the loop's operands get the default layout) a copy of every scanned weight, live from the
+    forward to the end of the backward, and a second stack for their gradients. Reading each
+    step's slice from the untransposed array instead (the checkpoint saving the array and the
+    step's index, `checkpoint.Derived`) computes the same values, bit for bit, without the
+    copy; the slices' cotangents go back into one gradient of the untransposed shape."""
+    if rw.save != "inputs":
+        return {}
+    body = compat.jaxpr_and_consts(eqn.params["jaxpr"])[0]
+    out: dict = {}
+    for j, v in enumerate(eqn.invars[first_x:]):
+        made = None if compat.is_literal(v) else rw.transposed.get(v)
+        if made is None or not is_real_float(v.aval.dtype):
+            continue
+        source, perm = made
+        binder = body.invars[first_x + j]
+        uses = [e for e in body.eqns if binder in e.invars]
+        if not uses or any(e.primitive is not compat.remat_p for e in uses) or any(
+                binder is o for o in body.outvars):
+            continue
+        axis = perm[0]
+        rest = tuple(q - (q > axis) for q in perm[1:])
+        out[j] = (source, axis, None if rest == tuple(range(len(rest))) else rest)
+    return out
 
 
 def _while(rw: _Rewriter, eqn, vals, alive):
