@@ -99,9 +99,12 @@ def test_hifigrad_platform_makes_another_platforms_choices(platform, monkeypatch
     assert hg.Policy().resolved_matmul() == choices["matmul"]
     assert hg.Policy().resolved_coefficients() == choices["coefficients"]
     assert hg.Policy(matmul="exact", coefficients="forward").resolved_matmul() == "exact"
-    assert auto_choices("tpu") == {"matmul": "fast", "coefficients": "tangent"}
-    assert auto_choices("gpu") == {"matmul": "fast", "coefficients": "forward"}
-    assert auto_choices("cpu") == {"matmul": "exact", "coefficients": "forward"}
+    assert auto_choices("tpu") == {"matmul": "fast", "coefficients": "tangent",
+                                   "stacks": "as written"}
+    assert auto_choices("gpu") == {"matmul": "fast", "coefficients": "forward",
+                                   "stacks": "slices"}
+    assert auto_choices("cpu") == {"matmul": "exact", "coefficients": "forward",
+                                   "stacks": "slices"}
 
 
 def test_hifigrad_platform_must_name_a_platform(monkeypatch):

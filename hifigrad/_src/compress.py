@@ -49,7 +49,7 @@ from jax.tree_util import tree_flatten, tree_unflatten
 from . import compat
 from .checkpoint import Derived, check_checkpoint_args, checkpoint_call
 from .dtypes import is_real_float
-from .policy import Policy
+from .policy import Policy, auto_choices, current_platform
 
 __all__ = ["compress_checkpoints"]
 
@@ -245,8 +245,10 @@ def _sliced_in_steps(rw: _Rewriter, eqn, first_x: int) -> dict:
     forward to the end of the backward, and a second stack for their gradients. Reading each
     step's slice from the untransposed array instead (the checkpoint saving the array and the
     step's index, `checkpoint.Derived`) computes the same values, bit for bit, without the
-    copy; the slices' cotangents go back into one gradient of the untransposed shape."""
-    if rw.save != "inputs":
+    copy; the slices' cotangents go back into one gradient of the untransposed shape.
+    Where the platform makes no copy (a TPU: `policy.auto_choices`), the scan runs as
+    written."""
+    if rw.save != "inputs" or auto_choices(current_platform())["stacks"] != "slices":
         return {}
     body = compat.jaxpr_and_consts(eqn.params["jaxpr"])[0]
     out: dict = {}
