@@ -952,7 +952,8 @@ def stacks_platform(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("reverse, stacks_platform", [(False, "cpu"), (True, "cpu"),
+                                                     (False, "tpu")], indirect=["stacks_platform"])
 def test_a_scan_over_a_transposed_stack_equals_the_untransposed_one(maybe_jit, reverse,
                                                                     stacks_platform):
     """Each step's weights are read from the untransposed stack (`checkpoint.Derived`): the
@@ -970,10 +971,10 @@ def test_a_scan_over_a_transposed_stack_equals_the_untransposed_one(maybe_jit, r
 
 
 @pytest.mark.parametrize("used_outside", [False, True])
-def test_a_scan_over_a_transposed_stack_against_jax_grad(maybe_jit, used_outside,
-                                                         stacks_platform):
-    """float32 and codec 'none': hg.grad equals jax.grad of the function as written (a slice
-    used outside the checkpoint too is left to the scan, as before)."""
+def test_a_scan_over_a_transposed_stack_against_jax_grad(maybe_jit, used_outside, monkeypatch):
+    """float32 and codec 'none', the CPU's choice: hg.grad equals jax.grad of the function as
+    written (a slice used outside the checkpoint too is left to the scan, as before)."""
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "cpu")
     p = _stacked_on_axis_1()
     x = jax.random.normal(jax.random.key(1), (16, 32))
     loss = _on_axis(1, used_outside=used_outside)
@@ -983,6 +984,7 @@ def test_a_scan_over_a_transposed_stack_against_jax_grad(maybe_jit, used_outside
     _close(got, want, rtol=1e-5)
 
 
+@cpu_only(reason="XLA:CPU's buffer sizes (a TPU reports temp as 0)")
 def test_a_scan_over_a_transposed_stack_holds_no_transposed_copy(stacks_platform):
     """With the CPU's choice, the compiled step over the stack on axis 1 needs the temp of the
     step over the stack on axis 0: no transposed copy of the weights, and their gradients go
@@ -1007,10 +1009,10 @@ def test_a_scan_over_a_transposed_stack_holds_no_transposed_copy(stacks_platform
             assert t1 <= t0 + 4096, (t1, t0)
 
 
-def test_flax_linen_scan_with_params_on_axis_1(stacks_platform):
+def _linen_on_axis_1():
     """Flax's own scan over layers stacked on axis 1 (``nn.scan(variable_axes={"params":
-    1})``, as MaxText's ``param_scan_axis=1``): the same gradients as the stack on axis 0 and,
-    with the CPU's choice, the same temp (no transposed copy of the weights)."""
+    1})``, as MaxText's ``param_scan_axis=1``) and the same weights on axis 0: the jitted
+    steps {axis: step} and their arguments."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -1032,11 +1034,24 @@ def test_flax_linen_scan_with_params_on_axis_1(stacks_platform):
                                      ** 2)
 
     steps = {a: jax.jit(hg.grad(hg.compress_checkpoints(loss(a), "int8"))) for a in (0, 1)}
-    got, want = steps[1](p1, x), steps[0](p0, x)
+    return steps, {0: (p0, x), 1: (p1, x)}
+
+
+def test_flax_linen_scan_with_params_on_axis_1(monkeypatch):
+    """The same gradients as the stack on axis 0 (the CPU's choice: the slices read)."""
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "cpu")
+    steps, args = _linen_on_axis_1()
+    got, want = steps[1](*args[1]), steps[0](*args[0])
     _close(jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), got), want)
-    temp = {a: steps[a].lower(p, x).compile().memory_analysis().temp_size_in_bytes
-            for a, p in ((0, p0), (1, p1))}
-    weights = sum(a.nbytes for a in jax.tree_util.tree_leaves(p1))
+
+
+@cpu_only(reason="XLA:CPU's buffer sizes (a TPU reports temp as 0)")
+def test_flax_linen_scan_with_params_on_axis_1_holds_no_copy(stacks_platform):
+    """With the CPU's choice, the temp of the stack on axis 0: no transposed copy."""
+    steps, args = _linen_on_axis_1()
+    temp = {a: steps[a].lower(*args[a]).compile().memory_analysis().temp_size_in_bytes
+            for a in (0, 1)}
+    weights = sum(a.nbytes for a in jax.tree_util.tree_leaves(args[1][0]))
     if stacks_platform == "tpu":  # scanned as written: XLA:CPU copies the stack
         assert temp[1] >= temp[0] + weights, (temp, weights)
     else:  # a copy adds the weights' 66 KiB; XLA packs these small steps a few KiB apart
