@@ -18,6 +18,13 @@ transpose or slice of one of those (``w.astype(bf16)``, ``params[i]``). Everythi
 checkpoint takes that is a float (a scan's or a loop's carry, a previous layer's output) is
 encoded. Integer, bool and typed-key inputs (per-layer PRNG keys) are saved as they are.
 
+A scan whose ``xs`` include a transposed stack of weights (``nnx.scan(in_axes=1)``,
+``nn.scan(variable_axes={"params": 1})``, MaxText's ``param_scan_axis=1``) that its body only
+passes to checkpoints is run reading each step's slice from the untransposed stack, where the
+platform would otherwise copy the stack for the loop (XLA:CPU; `policy.auto_choices`'
+``"stacks"``): the checkpoint saves the stack and the step's index instead of the slice
+(`checkpoint.Derived`). The values are the same; the copy is gone.
+
 What a checkpoint's own policy marks saveable (``save_only_these_names``,
 ``dots_saveable``, ...) is not kept: with ``save="inputs"`` the block is recomputed from its
 decoded inputs, as with ``jax.checkpoint(..., policy=nothing_saveable)`` (saving those
