@@ -923,13 +923,17 @@ def _mlp_layer(h, w):
     return h + jax.nn.gelu(a) @ w["wo"].astype(h.dtype), None
 
 
-def _on_axis(axis, reverse=False, used_outside=False):
+def _on_axis(axis, reverse=False, used_outside=False, inner=False):
     """The loss of a remat scan over the stack, its layers on ``axis`` (moved to the front
-    before the scan, as the frameworks do, when it is 1)."""
+    before the scan, as the frameworks do, when it is 1); ``inner``: each step runs a
+    checkpointed scan of its own before the layer's checkpoint."""
     def loss(p, x):
         xs = p if axis == 0 else jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), p)
 
         def step(h, w):
+            if inner:
+                h = jax.lax.scan(jax.checkpoint(lambda c, _: (jnp.tanh(c), None)), h, None,
+                                 length=2)[0]
             h, _ = jax.checkpoint(_mlp_layer)(h, w)
             if used_outside:  # the slice is used outside the checkpoint too
                 h = h * (1 + jnp.mean(w["scale"])).astype(h.dtype)
@@ -985,16 +989,18 @@ def test_a_scan_over_a_transposed_stack_against_jax_grad(maybe_jit, used_outside
 
 
 @cpu_only(reason="XLA:CPU's buffer sizes (a TPU reports temp as 0)")
-def test_a_scan_over_a_transposed_stack_holds_no_transposed_copy(stacks_platform):
+@pytest.mark.parametrize("inner", [False, True])
+def test_a_scan_over_a_transposed_stack_holds_no_transposed_copy(stacks_platform, inner):
     """With the CPU's choice, the compiled step over the stack on axis 1 needs the temp of the
     step over the stack on axis 0: no transposed copy of the weights, and their gradients go
     to one buffer of the parameters' shape. With the TPU's (whose compiler makes no copy), the
-    scan runs as written: on XLA:CPU, with the copy."""
+    scan runs as written: on XLA:CPU, with the copy. ``inner``: a checkpointed scan inside
+    each step, rewritten before the layer's checkpoint, keeps the step's slices known."""
     p = _stacked_on_axis_1(n=4, d=64, f=256)
     x = jax.random.normal(jax.random.key(1), (64, 64)).astype(jnp.bfloat16)
 
     def temp(axis, outer=hg.grad):
-        step = outer(hg.compress_checkpoints(_on_axis(axis), "int8"))
+        step = outer(hg.compress_checkpoints(_on_axis(axis, inner=inner), "int8"))
         args = (p if axis == 1 else _to_axis_0(p), x)
         return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
 

@@ -232,11 +232,13 @@ def _scan(rw: _Rewriter, eqn, vals, alive):
     xs_in = [x for j, x in enumerate(xs) if j not in sliced]
     if sliced:
         xs_in.append(jnp.arange(length, dtype=jnp.int32))
+    # this scan's slices are known inside its body, an enclosing scan's stay known there too
+    outer, rw.derived = rw.derived, dict(rw.derived)
     try:
         carry, ys = lax.scan(step, list(init), xs_in or None, length=length,
                              reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
     finally:
-        rw.derived.clear()
+        rw.derived = outer
     outs = [*carry, *ys]
     return outs, [False] * len(outs)
 
@@ -251,8 +253,8 @@ def _sliced_in_steps(rw: _Rewriter, eqn, first_x: int) -> dict:
     the loop's operands get the default layout) a copy of every scanned weight, live from the
     forward to the end of the backward, and a second stack for their gradients. Reading each
     step's slice from the untransposed array instead (the checkpoint saving the array and the
-    step's index, `checkpoint.Derived`) computes the same values, bit for bit, without the
-    copy; the slices' cotangents go back into one gradient of the untransposed shape.
+    step's index, `checkpoint.Derived`) gives each step the same weights, bit for bit, without
+    the copy; the slices' cotangents go back into one gradient of the untransposed shape.
     Where the platform makes no copy (a TPU: `policy.auto_choices`), the scan runs as
     written."""
     if rw.save != "inputs" or auto_choices(current_platform())["stacks"] != "slices":
