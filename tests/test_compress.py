@@ -1064,3 +1064,52 @@ def test_flax_linen_scan_with_params_on_axis_1_holds_no_copy(stacks_platform):
         assert temp[1] >= temp[0] + weights, (temp, weights)
     else:  # a copy adds the weights' 66 KiB; XLA packs these small steps a few KiB apart
         assert temp[1] <= temp[0] + weights // 4, (temp, weights)
+
+
+@cpu_only(reason="XLA:CPU's buffer sizes (a TPU reports temp as 0)")
+def test_flax_nnx_scan_with_in_axes_1(monkeypatch):
+    """``nnx.scan(in_axes=1)`` over blocks made by ``nnx.vmap(out_axes=1)``, the CPU's choice:
+    the gradients of the same blocks stacked on axis 0, and the temp of that model."""
+    from flax import nnx
+
+    monkeypatch.setenv("HIFIGRAD_PLATFORM", "cpu")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(32, 64, dtype=jnp.bfloat16, rngs=rngs)
+            self.down = nnx.Linear(64, 32, dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.gelu(self.up(x)))
+
+    def model(axis):
+        @nnx.vmap(in_axes=0, out_axes=axis)
+        def make(key):
+            return Block(nnx.Rngs(key))
+
+        class Model(nnx.Module):
+            def __init__(self):
+                self.blocks = make(jax.random.split(jax.random.key(0), 4))
+
+            def __call__(self, x):
+                @nnx.scan(in_axes=(axis, nnx.Carry), out_axes=nnx.Carry)
+                @nnx.remat
+                def step(block, x):
+                    return block(x)
+
+                return step(self.blocks, x)
+
+        graph, state = nnx.split(Model())
+        return (lambda s, x: jnp.mean(nnx.merge(graph, s)(x).astype(jnp.float32) ** 2)), state
+
+    x = jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16)
+    (loss0, s0), (loss1, s1) = model(0), model(1)
+    steps = {a: jax.jit(hg.grad(hg.compress_checkpoints(f, "int8")))
+             for a, f in ((0, loss0), (1, loss1))}
+    got, want = steps[1](s1, x), steps[0](s0, x)
+    _close(jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0) if a.ndim > 1 else a, got),
+           want)
+    temp = {a: steps[a].lower(s, x).compile().memory_analysis().temp_size_in_bytes
+            for a, s in ((0, s0), (1, s1))}
+    weights = sum(a.nbytes for a in jax.tree_util.tree_leaves(s1))
+    assert temp[1] <= temp[0] + weights // 4, (temp, weights)  # a copy adds `weights`
