@@ -233,14 +233,10 @@ def _ckpt_bwd(fun_flat, codec, policy, encode, plan, derive, res, cts):
     args_ct, consts_ct = _input_cotangents(cts_in, dtypes.dtypes, n)
     # The scaling state is not differentiated (like an optimizer state), nor are a derived
     # input's sources (stopped: their cotangents are never read).
-    aux_ct = tuple((jnp.zeros_like(source), _zero_ct(index)) for source, index in aux)
+    # (a source is a float array, an index an integer: its cotangent is float0)
+    aux_ct = tuple((jnp.zeros_like(source), np.zeros(np.shape(index), jax.dtypes.float0))
+                   for source, index in aux)
     return args_ct, consts_ct, jax.tree_util.tree_map(jnp.zeros_like, state), aux_ct
-
-
-def _zero_ct(x):
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def _whole_backward(fun_flat, policy, args, consts, cts):

@@ -169,9 +169,9 @@ class _Rewriter:
         # and resizes it to slices of the batch where its backward may run in slices.
         body = functools.partial(_eval_plain_args, jaxpr, consts)
         flat = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in vals]
-        derived = {i: self.derived[id(x)][1] for i, x in enumerate(vals)
-                   if self.save == "inputs" and id(x) in self.derived
-                   and self.derived[id(x)][0] is x}
+        # (`_scan` records slices only with save="inputs"; each entry keeps its value alive,
+        # so an id names one value)
+        derived = {i: self.derived[id(x)][1] for i, x in enumerate(vals) if id(x) in self.derived}
         encode = [not a and _is_activation_dtype(v.aval) and i not in derived
                   for i, (v, a) in enumerate(zip(eqn.invars, alive))]
         in_tree = jax.tree_util.tree_structure(tuple(flat))
