@@ -627,7 +627,7 @@ class AdamState(NamedTuple):
       >>> import jax.numpy as jnp, hifigrad as hg
       >>> state = hg.optim.scale_by_adam(moments="fp16").init({"w": jnp.zeros((2, 256))})
       >>> state.mu["w"].dtype, state.nu["w"].dtype    # 2 + 2 bytes, scales included
-      (dtype('float16'), dtype('uint16'))
+      (dtype('uint16'), dtype('uint16'))
     """
 
     count: Any
@@ -666,9 +666,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     with the block's two scales held in the sign bits of the second moment's codes (a square
     root is never negative), so that the bytes below are exact:
 
-    * ``"fp16"`` (4 bytes): float16 codes, the block's scale at 2**15: 11 significant bits
-      down to 2**-29 of the block's largest; updates within about 0.1% of float32 moments'
-      (norm-wise, on gradients spanning four decades in each block: tests/test_optim.py);
+    * ``"fp16"`` (4 bytes): float16 codes (stored as their bits, uint16), the block's scale
+      at 2**15: 11 significant bits down to 2**-29 of the block's largest; updates within
+      about 0.1% of float32 moments' (norm-wise, on gradients spanning four decades in each
+      block: tests/test_optim.py);
     * ``"8bit"`` (2 bytes): small floats of 4 exponent and 3 mantissa bits (and the first
       moment's sign), 14 binary orders of magnitude below the block's largest: lossy, about
       7% of the update's norm on that test;

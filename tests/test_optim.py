@@ -465,7 +465,7 @@ def test_compact_moments_stay_close_to_float32(moments, jit):
     assert np.all(np.isfinite(got))
     if moments in ("fp16", "bf16"):  # float32's updates stay within 1.004 here
         assert np.max(np.abs(got)) <= np.max(np.abs(ref)) * (1 + 5 * _HALF_STEP[moments])
-    code = {"fp16": (jnp.float16, jnp.uint16), "8bit": (jnp.uint8, jnp.uint8),
+    code = {"fp16": (jnp.uint16, jnp.uint16), "8bit": (jnp.uint8, jnp.uint8),
             "4bit": (jnp.uint8, None), "bf16": (jnp.bfloat16, jnp.bfloat16)}[moments]
     assert state.mu["w"].dtype == code[0]
     assert (state.nu["w"] == ()) if code[1] is None else state.nu["w"].dtype == code[1]
@@ -938,6 +938,34 @@ def test_pallas_kernel_is_the_xla_update_bit_for_bit(kind, traced, monkeypatch):
                                               err_msg=f"{shape} step {step}")
             np.testing.assert_array_equal(_bits_of(want[2]), _bits_of(have[2]),
                                           err_msg=f"{shape} step {step}: direction")
+
+
+@pytest.mark.parametrize("mode", ["xla", "interpret"])
+def test_fp16_state_saved_as_float16_steps_as_uint16(mode):
+    """0.1.0 stored the fp16 first moment's codes as float16; they are now their bits, uint16
+    (a Pallas kernel takes no float16 operand, and the bitcast beside it was a copy of the
+    leaf each way on a TPU). A state saved as float16 still steps, bit for bit as the same
+    state in uint16, on the XLA path and the kernel's (interpret mode here: a TPU's path), and
+    its new codes are uint16."""
+    from hifigrad._src import optim_codes as codes
+    from hifigrad._src import optim_pallas
+    if mode == "interpret" and not optim_pallas.AVAILABLE:
+        pytest.skip("Pallas is not available in this jax")
+    rng = np.random.default_rng(2)
+    p0 = {"w": jnp.asarray(rng.normal(size=(8, 256)) * 0.1, jnp.float32)}
+    tx = hg.optim.adamw(1e-2, moments="fp16")
+    g = {"w": jnp.asarray(rng.normal(size=(8, 256)) * 1e-2, jnp.float32)}
+    with codes.kernel(mode):
+        state = jax.jit(tx.update)(g, tx.init(p0), p0)[1]   # nonzero codes
+        assert state[0].mu["w"].dtype == jnp.uint16
+        old = (state[0]._replace(mu={"w": jax.lax.bitcast_convert_type(state[0].mu["w"],
+                                                                         jnp.float16)}),
+               *state[1:])
+        new = [jax.jit(tx.update)(g, s, p0) for s in (state, old)]
+    for a, b in zip(jax.tree.leaves(new[0]), jax.tree.leaves(new[1])):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
+    assert new[1][1][0].mu["w"].dtype == jnp.uint16
 
 
 def test_pallas_path_trains_as_the_xla_path():

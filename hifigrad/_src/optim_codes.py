@@ -4,7 +4,8 @@ Adam's two moments are stored per parameter as the first moment ``m`` and the sq
 of the second, each relative to one float32 scale per block (the block's largest magnitude),
 rounded stochastically (unbiased):
 
-* ``"fp16"``: ``m`` as a float16, ``s`` as a float16's 15 magnitude bits (2 bytes each), the
+* ``"fp16"``: ``m`` as a float16's bits, ``s`` as a float16's 15 magnitude bits (2 bytes
+  each, uint16: a Pallas kernel takes no float16 operand, and a bitcast beside it is a copy), the
   scale at 2**15: 11 significant bits down to 2**-29 of the block's largest;
 * ``"8bit"``: ``m`` as a sign and a 7-bit small float (4 exponent bits, 3 mantissa bits: 2**-14
   to 1, and 0), ``s`` as the same 7-bit code with its lowest binade 2**-15 instead of 0
@@ -320,7 +321,7 @@ def _block_max(x):
 def zeros(kind: str, shape):
     """The stored (m, s) of a fresh leaf: zero codes and zero scales."""
     if kind == "fp16":
-        return jnp.zeros(shape, jnp.float16), jnp.zeros(shape, jnp.uint16)
+        return jnp.zeros(shape, jnp.uint16), jnp.zeros(shape, jnp.uint16)
     if kind == "8bit":
         return jnp.zeros(shape, jnp.uint8), jnp.zeros(shape, jnp.uint8)
     return jnp.zeros(shape, jnp.uint8), ()
@@ -331,7 +332,7 @@ def _words(kind, mu, nu, lay, view):
     if kind == "4bit":
         w = to_blocks(mu, lay, view).astype(jnp.uint32)
         return w >> 4, w & 15
-    if kind == "fp16":
+    if mu.dtype == jnp.float16:   # a state saved by 0.1.0, whose m codes were float16
         mu = lax.bitcast_convert_type(mu, jnp.uint16)
     return (to_blocks(mu, lay, view).astype(jnp.uint32),
             to_blocks(nu, lay, view).astype(jnp.uint32))
@@ -342,10 +343,7 @@ def _stored(kind, mw, sw, shape):
     if kind == "4bit":
         return jnp.reshape(((mw << 4) | sw).astype(jnp.uint8), shape), ()
     dtype = jnp.uint16 if kind == "fp16" else jnp.uint8
-    mu = jnp.reshape(mw.astype(dtype), shape)
-    if kind == "fp16":
-        mu = lax.bitcast_convert_type(mu, jnp.float16)
-    return mu, jnp.reshape(sw.astype(dtype), shape)
+    return jnp.reshape(mw.astype(dtype), shape), jnp.reshape(sw.astype(dtype), shape)
 
 
 def decode(kind: str, mu, nu, shape):

@@ -347,8 +347,9 @@ def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
     lax.fori_loop(0, tr // sub, body, 0)
 
 
-# 16-bit float operands (the fp16 first moment's codes, the split master's bf16 parameter)
-# go into the kernel as their bits, uint16, bitcast outside it and back. Measured on a TPU v5e
+# The split master's bf16 parameter goes into the kernel as its bits, uint16, bitcast outside
+# it (the fp16 first moment's codes are stored as uint16 for this reason: a float16 state, as
+# 0.1.0 saved it, is bitcast here too, and its new codes come back as uint16). Measured on a TPU v5e
 # (jax 0.10.2), the alternatives were no better: Mosaic takes no float16 operand ("Only
 # arguments with ... bfloat16 or 32-bit element types are supported"); a bf16 parameter viewed
 # as its bits in the kernel (a ref bitcast) was no faster than its bitcast outside (split+fp16
@@ -366,14 +367,13 @@ def _call(kind, g, codes, extra, scal, key, split, interpret):
     shape = np.shape(g)
     plan = _plan(shape)
     rows, last, cols, tr = plan
-    dtypes = [x.dtype for x in codes]
 
     def view(x):
         if x.dtype in (jnp.float16, jnp.bfloat16):
             x = lax.bitcast_convert_type(x, jnp.uint16)
         return jnp.reshape(x, (rows, last))
 
-    ins = [view(x) for x in (*codes, *extra)]
+    ins = [view(x) for x in (*codes, *extra)]   # (a float16 code: a state saved by 0.1.0)
     n = len(codes)
     grid = (pl.cdiv(rows, tr), last // cols)
     tile = pl.BlockSpec((tr, cols), lambda i, k: (i, k))
@@ -396,11 +396,7 @@ def _call(kind, g, codes, extra, scal, key, split, interpret):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(key, scal, _scale_weights(), jnp.reshape(g, (rows, last)), *ins)
-    outs = [jnp.reshape(o, shape) for o in outs]
-    for i, dtype in enumerate(dtypes):
-        if outs[i].dtype != dtype:   # the bits back
-            outs[i] = lax.bitcast_convert_type(outs[i], dtype)
-    return outs
+    return [jnp.reshape(o, shape) for o in outs]
 
 
 def _scalars(b1, b2, c1, c2, eps, wd=0.0, step=0.0):
