@@ -501,7 +501,7 @@ def _split_step_fn(kind, static, mode, rounding, decay):
                     kind, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, lr_step,
                     wd if decay else None, rounding, interpret=interpret)
                 # the update `master_weights` returns: the new parameter less the old (exact)
-                new_p = lax.bitcast_convert_type(bits, jnp.bfloat16)
+                new_p = bits   # (bf16)
                 return (new_mu, new_nu, new_low,
                         new_p.astype(jnp.float32) - jnp.asarray(p, jnp.float32))
             return run

@@ -325,13 +325,15 @@ def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
             # optax computes it: weight decay ``u + wd * master`` where the mask takes the
             # leaf, the learning rate ``step * u``, then ``master + u``), its new low half and
             # its parameter rounded (`hifigrad.optim._split`)
-            hi = p_ref[rs, cs].astype(jnp.int32) & 0xFFFF
+            # (the bf16 parameter read as itself: a bf16 operand needs no bitcast outside the
+            # kernel, and converting it to float32 is exact; its bits are then the top half)
+            hi = _srl(_bits(p_ref[rs, cs].astype(jnp.float32)), 16)
             lo = low_ref[rs, cs].astype(jnp.int32) & 0xFFFF
             full = _float(_join_bits(hi, lo, rounding))
             x = u + wd * full if decay else u
             new = _bits(full + step * x)
             new_low_ref[rs, cs] = (new & 0xFFFF).astype(new_low_ref.dtype)
-            new_p_ref[rs, cs] = _bf16_bits(new, rounding).astype(new_p_ref.dtype)
+            new_p_ref[rs, cs] = _float(_bf16_bits(new, rounding) << 16).astype(jnp.bfloat16)
         if four:
             new_mu_ref[rs, cs] = ((new_mw << 4) | new_sw).astype(new_mu_ref.dtype)
         else:
@@ -369,7 +371,7 @@ def _call(kind, g, codes, extra, scal, key, split, interpret):
     rows, last, cols, tr = plan
 
     def view(x):
-        if x.dtype in (jnp.float16, jnp.bfloat16):
+        if x.dtype == jnp.float16:
             x = lax.bitcast_convert_type(x, jnp.uint16)
         return jnp.reshape(x, (rows, last))
 
@@ -380,7 +382,8 @@ def _call(kind, g, codes, extra, scal, key, split, interpret):
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     out_shape = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in ins[:n]]
     if split:
-        out_shape += [jax.ShapeDtypeStruct((rows, last), jnp.uint16)] * 2
+        out_shape += [jax.ShapeDtypeStruct((rows, last), jnp.uint16),
+                      jax.ShapeDtypeStruct((rows, last), jnp.bfloat16)]
         aliases = {4 + i: i for i in range(n)} | {4 + n + 1: n}   # the codes, the low half
     else:
         out_shape += [jax.ShapeDtypeStruct((rows, last), jnp.float32)]
