@@ -258,8 +258,8 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
     that are not bf16 (float32, fp16, integers) are kept as with
     ``master="float32"``. Over `hifigrad.optim.adamw` with block-coded moments, on a TPU (one
     device), each bf16 leaf that its Pallas kernel takes is updated in that kernel, the moments
-    and the split master in one pass (no float32 direction between them), bit for bit the
-    unfused update.
+    and the split master in one pass (no float32 direction between them; ``"split8"`` too),
+    bit for bit the unfused update (a TPU flushes a subnormal parameter to zero there).
 
     ``master="split8"`` keeps only the next 8 bits (1 byte beside the bf16 parameter): a
     24-bit master of 16 significant bits, which each update rounds stochastically (unbiased;
@@ -374,6 +374,7 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
         full = master_params(params, state)
         inner_updates, inner = tx.update(grads, state.inner, full, **extra_args)
         new_master = optax.apply_updates(full, inner_updates)
+        keys = None
         if split8:  # the 24-bit masters, rounded stochastically
             leaves, tree = jax.tree.flatten(params)
             news = tree.flatten_up_to(new_master)
@@ -393,11 +394,12 @@ def master_weights(tx, *, master: str = "float32", param_rounding: str | None = 
         updates = jax.tree.map(to_param, params, new_master, inner_updates)
         stored = jax.tree.map(store, params, new_master)
         fused = getattr(tx, "_split_master_step", None)
-        if master == "split" and fused is not None and not extra_args:
+        if split and fused is not None and not extra_args:
             # hifigrad's adamw with block-coded moments: on a TPU, the leaves its Pallas kernel
             # takes are updated there, the split master with the moments (bit for bit this)
             updates, stored, inner = fused(grads, state.inner, inner, params, state.master,
-                                           full, updates, stored, param_rounding)
+                                           full, updates, stored, param_rounding,
+                                           master_keys=keys)
         count = state.count + 1 if split8 else ()
         return updates, MasterWeightsState(master=stored, inner=inner, count=count)
 
@@ -826,7 +828,7 @@ def _flat_mask(mask, full, tree):
 
 
 def _split_adamw_step(spec, grads, old_inner, inner, params, lows, full, updates, stored,
-                      rounding):
+                      rounding, master_keys=None):
     """`master_weights(adamw(moments=...), master="split")`'s update of the leaves the Pallas
     kernel takes (a TPU), fused: each such leaf's moments and split master in one kernel
     (`optim_codes.split_leaf_step`), over what the unfused update computed (``inner``,
@@ -834,7 +836,9 @@ def _split_adamw_step(spec, grads, old_inner, inner, params, lows, full, updates
     stays wherever the kernel does not run; bit for bit that update's result. The weight
     decay and the learning rate are applied as optax's chain does (``u + wd * master``, then
     ``step * u``, then ``master + u``); a weight decay other than a nonzero number, a mask
-    or learning rate not known at trace time: nothing fused."""
+    or learning rate not known at trace time: nothing fused. ``master_keys``: with
+    ``master="split8"``, each leaf's key of the 24-bit master's stochastic rounding (the
+    kernel rounds it as `_round_to_24_bits` does)."""
     b1, b2, eps, wd, mask, lr, moments, seed = spec
     if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd == 0 or lr is None:
         return updates, stored, inner
@@ -858,7 +862,8 @@ def _split_adamw_step(spec, grads, old_inner, inner, params, lows, full, updates
             continue
         out = _codes.split_leaf_step(moments, jnp.asarray(g, jnp.float32), mu, nu, keys[i],
                                      b1, b2, c1, c2, eps, p, low, step,
-                                     wd if decayed[i] else None, rounding, fallback)
+                                     wd if decayed[i] else None, rounding, fallback,
+                                     None if master_keys is None else master_keys[i])
         for col, x in zip(cols[4:], out):
             col[i] = x
     new_mu, new_nu, stored, updates = (jax.tree.unflatten(tree, c) for c in cols[4:])

@@ -1025,13 +1025,16 @@ def test_pallas_split_master_bits_are_the_optimizers(rounding):
 # About 7-10 s each on CPU (interpret mode): the default suite runs one kind per lane, in turn
 # (tests/lanes.py), with a schedule, a mask and nearest_away; the `slow` tier every kind, and
 # truncation with a constant learning rate.
-@pytest.mark.parametrize("kind, variant", [
-    pytest.param(kind, variant, marks=() if variant == "away-schedule-mask" and in_turn(i, 3)
+@pytest.mark.parametrize("master, kind, variant", [
+    pytest.param(master, kind, variant,
+                 marks=() if variant == "away-schedule-mask" and in_turn(i, 3)
                  else pytest.mark.slow)
+    for master in ("split", "split8")
     for variant in ("away-schedule-mask", "truncate-constant")
     for i, kind in enumerate(_CODED)])
-def test_pallas_split_master_trains_as_the_unfused_update(kind, variant, monkeypatch):
-    """Issue 50: `master_weights(adamw(moments=...), master="split")` updates each bf16 leaf
+def test_pallas_split_master_trains_as_the_unfused_update(master, kind, variant, monkeypatch):
+    """Issue 50: `master_weights(adamw(moments=...), master="split")` (and ``"split8"``, the
+    24-bit master, rounded stochastically in the kernel) updates each bf16 leaf
     the kernel takes in one kernel, the moments and the split master together
     (`optim_codes.split_leaf_step`: no float32 direction between them), bit for bit the
     unfused update (the XLA path: `optim_codes.kernel("xla")`), parameters and state, over
@@ -1066,7 +1069,7 @@ def test_pallas_split_master_trains_as_the_unfused_update(kind, variant, monkeyp
     def make():
         return hg.optim.master_weights(hg.optim.adamw(lr, weight_decay=0.1, mask=mask,
                                                       moments=kind),
-                                       master="split", param_rounding=rounding)
+                                       master=master, param_rounding=rounding, seed=4)
 
     mode = "auto" if jax.default_backend() == "tpu" else "interpret"
     out = []
@@ -1077,7 +1080,8 @@ def test_pallas_split_master_trains_as_the_unfused_update(kind, variant, monkeyp
     assert sorted(fused) == sorted(taken), fused
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(_bits_of(a), _bits_of(b), err_msg=f"{kind} {variant}")
+        np.testing.assert_array_equal(_bits_of(a), _bits_of(b),
+                                      err_msg=f"{master} {kind} {variant}")
     assert not np.array_equal(_bits_of(out[1][0]["w"]), _bits_of(p0["w"]))
     if jax.default_backend() == "tpu":
         tx = make()

@@ -459,14 +459,17 @@ def _leaf_step_fn(kind, static, mode):
 
 
 def split_leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, step, wd,
-                    rounding: str, fallback):
+                    rounding: str, fallback, master_key=None):
     """`leaf_step` of a leaf whose parameter ``p`` (bf16) is kept by a split master (its
     master's low half ``low``, uint16: `hifigrad.optim.master_weights` with ``master="split"``
     over `hifigrad.optim.adamw`) and that master's update in the same step: ``(mu, nu, low,
     update)``, the new codes, the master's new low half and the parameter's update (float32,
     the new parameter less ``p``), where the master ``m`` becomes ``m + step * (u + wd * m)``
     (``wd`` None: no weight decay; ``step``: the learning rate's signed step, a float32
-    scalar), as optax's chain computes it, split again with ``rounding``.
+    scalar), as optax's chain computes it, split again with ``rounding``. With
+    ``master_key`` (``master="split8"``): ``low`` is the top 8 bits of the master's low half
+    (uint8), and the new master is rounded stochastically to its top 24 bits with the bits of
+    ``leaf_bits32(master_key, ...)`` before it is split (`hifigrad.optim._round_to_24_bits`).
 
     ``fallback`` is that same result from the unfused update (`leaf_step` and the optax chain
     after it, in XLA): what this returns wherever the kernel does not run (a CPU, mode
@@ -475,38 +478,43 @@ def split_leaf_step(kind: str, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, step
     between it and the master's update (which the unfused update writes and reads back, and
     XLA:TPU computes there in two fusions, one per output, each reading the direction, the
     parameter and the low half); the fallback is then unused (XLA removes it). Bit for bit the
-    fallback's (tests/test_optim.py)."""
+    fallback's (tests/test_optim.py), but for subnormal parameters, which a TPU flushes to
+    zero in the kernel (`optim_pallas`)."""
 
     mode = _KERNEL[0]
     if not _kernel_takes(kind, np.shape(g), mode):
         return tuple(fallback)
     wd_arg = jnp.zeros((), jnp.float32) if wd is None else jnp.asarray(wd, jnp.float32)
-    args = (g, mu, nu, key, c1, c2, eps, p, low, jnp.asarray(step, jnp.float32), wd_arg,
-            *fallback)
+    split8 = master_key is not None
+    args = (g, mu, nu, key, master_key if split8 else jnp.zeros((), jnp.uint32), c1, c2, eps,
+            p, low, jnp.asarray(step, jnp.float32), wd_arg, *fallback)
     static, traced = _rates(b1, b2)
-    return _split_step_fn(kind, static, mode, rounding, wd is not None)(*args, *traced)
+    return _split_step_fn(kind, static, mode, rounding, wd is not None, split8)(*args,
+                                                                               *traced)
 
 
 @functools.cache
-def _split_step_fn(kind, static, mode, rounding, decay):
+def _split_step_fn(kind, static, mode, rounding, decay, split8):
     from . import optim_pallas
 
-    def step(g, mu, nu, key, c1, c2, eps, p, low, lr_step, wd, f_mu, f_nu, f_low, f_update,
-             *rates):
+    def step(g, mu, nu, key, key8, c1, c2, eps, p, low, lr_step, wd, f_mu, f_nu, f_low,
+             f_update, *rates):
         b1, b2 = static if static is not None else rates
 
         def pallas(interpret):
-            def run(g, mu, nu, key, c1, c2, eps, p, low, lr_step, wd, *_):
+            def run(g, mu, nu, key, key8, c1, c2, eps, p, low, lr_step, wd, *_):
                 new_mu, new_nu, new_low, bits = optim_pallas.split_leaf_step(
                     kind, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, lr_step,
-                    wd if decay else None, rounding, interpret=interpret)
+                    wd if decay else None, rounding, master_key=key8 if split8 else None,
+                    interpret=interpret)
                 # the update `master_weights` returns: the new parameter less the old (exact)
                 new_p = bits   # (bf16)
                 return (new_mu, new_nu, new_low,
                         new_p.astype(jnp.float32) - jnp.asarray(p, jnp.float32))
             return run
 
-        args = (g, mu, nu, key, c1, c2, eps, p, low, lr_step, wd, f_mu, f_nu, f_low, f_update)
+        args = (g, mu, nu, key, key8, c1, c2, eps, p, low, lr_step, wd, f_mu, f_nu, f_low,
+                f_update)
         if mode == "interpret":
             return pallas(True)(*args)
         return lax.platform_dependent(*args, tpu=pallas(False),
