@@ -42,12 +42,13 @@ over each tile of blocks, which also writes the step's Adam direction, bit for b
 and direction of the XLA path (the algorithm here is written so that both compilers round
 alike: divisions by a block's scale as multiplications by its reciprocal, as XLA rewrites
 them, and the scales behind an optimization barrier, where XLA:TPU would take 1 / sqrt for its
-rsqrt). With a split master (`split_leaf_step`) the kernel updates the parameter and its
-master's low half too, in the same pass. Measured on a TPU v5e, the update of 63M
-transformer-shaped parameters with `stochastic_rounding(adamw(moments="8bit"))` takes 1.18x the
-float32 master's time (1.84x on the XLA path), with `master_weights(adamw(moments="fp16"),
-master="split")` 1.81x (2.21x; benchmarks/results/optim_update_tpu_pallas.md); at 115M
-parameters 1.16x and 1.98x (optim_update_tpu_pallas120m.md).
+rsqrt). With a split master (`split_leaf_step`: ``"split"`` or ``"split8"``) the kernel updates
+the parameter and its master's low bits too, in the same pass. Measured on a TPU v5e at 115.4M
+transformer-shaped parameters, the update takes 1.12x the float32 master's time with
+`stochastic_rounding(adamw(moments="8bit"))` (1.78x on the XLA path), 1.31x with
+`master_weights(adamw(moments="fp16"), master="split")` (2.30x) and 1.35x with
+`master_weights(adamw(moments="4bit"), master="split8")` (2.34x;
+benchmarks/results/optim_update_tpu_*_120m.md, docs/guides/training-state.md).
 """
 
 from __future__ import annotations
@@ -503,12 +504,11 @@ def _split_step_fn(kind, static, mode, rounding, decay, split8):
 
         def pallas(interpret):
             def run(g, mu, nu, key, key8, c1, c2, eps, p, low, lr_step, wd, *_):
-                new_mu, new_nu, new_low, bits = optim_pallas.split_leaf_step(
+                new_mu, new_nu, new_low, new_p = optim_pallas.split_leaf_step(
                     kind, g, mu, nu, key, b1, b2, c1, c2, eps, p, low, lr_step,
                     wd if decay else None, rounding, master_key=key8 if split8 else None,
                     interpret=interpret)
                 # the update `master_weights` returns: the new parameter less the old (exact)
-                new_p = bits   # (bf16)
                 return (new_mu, new_nu, new_low,
                         new_p.astype(jnp.float32) - jnp.asarray(p, jnp.float32))
             return run

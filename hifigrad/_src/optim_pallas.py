@@ -224,10 +224,12 @@ def _scale_weights():
     """(128, 512) bfloat16: column block k (128 columns) sums the 16 bits 16k .. 16k + 15 of
     a block's first 64 elements' held bits (0 or 1) into an integer below 2**16 (exact:
     powers of two, float32 sums), in every column of the block."""
-    j = np.arange(128)[:, None]
-    n = np.arange(512)[None, :]
-    w = np.where((j < 64) & (j // 16 == n // 128), 2.0 ** (j % 16), 0.0)
-    return jnp.asarray(w, jnp.bfloat16)
+    # (computed, not a NumPy constant: JAX 0.12 passes a large constant to the compiled program
+    # as an argument, one per use, even in a branch a CPU never takes)
+    j = lax.broadcasted_iota(jnp.int32, (128, 512), 0)
+    n = lax.broadcasted_iota(jnp.int32, (128, 512), 1)
+    power = lax.shift_left(jnp.int32(1), j % 16).astype(jnp.float32)   # 2**(j % 16), exact
+    return jnp.where((j < 64) & (j // 16 == n // 128), power, 0.0).astype(jnp.bfloat16)
 
 
 def _join_bits(hi, lo, rounding):
@@ -334,7 +336,8 @@ def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
             # leaf, the learning rate ``step * u``, then ``master + u``), its new low half and
             # its parameter rounded (`hifigrad.optim._split`)
             # (the bf16 parameter read as itself: a bf16 operand needs no bitcast outside the
-            # kernel, and converting it to float32 is exact; its bits are then the top half)
+            # kernel; converted to float32, its bits are the top half, exact but for a
+            # subnormal, which a TPU flushes to zero)
             hi = _srl(_bits(p_ref[rs, cs].astype(jnp.float32)), 16)
             if split8:   # the 24-bit master: its low half's top 8 bits
                 lo = (low_ref[rs, cs].astype(jnp.int32) & 0xFF) << 8
@@ -368,16 +371,18 @@ def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
     lax.fori_loop(0, tr // sub, body, 0)
 
 
-# The split master's bf16 parameter goes into the kernel as its bits, uint16, bitcast outside
-# it (the fp16 first moment's codes are stored as uint16 for this reason: a float16 state, as
-# 0.1.0 saved it, is bitcast here too, and its new codes come back as uint16). Measured on a TPU v5e
-# (jax 0.10.2), the alternatives were no better: Mosaic takes no float16 operand ("Only
-# arguments with ... bfloat16 or 32-bit element types are supported"); a bf16 parameter viewed
-# as its bits in the kernel (a ref bitcast) was no faster than its bitcast outside (split+fp16
-# at 31.5M parameters: 1.61x the float32 master's update against 1.56x); and XLA's fusion of
-# the bitcasts into the kernel's inputs (Pallas's allow_input_fusion) failed to compile (an
-# internal RET_CHECK in XLA:TPU's rematerialization). Such a bitcast outside is a pass over the
-# leaf on a TPU (XLA:TPU fuses a bitcast into an XLA consumer, not into a custom call).
+# 16-bit operands. Mosaic takes no float16 operand ("Only arguments with ... bfloat16 or 32-bit
+# element types are supported"), and a bitcast beside a custom call is a pass over the leaf on
+# a TPU (XLA:TPU fuses a bitcast into an XLA consumer, not into a custom call): the fp16 first
+# moment's codes are therefore stored as their bits, uint16 (a float16 state, as 0.1.0 saved
+# it, is bitcast here, and its new codes come back as uint16), and the split master's bf16
+# parameter goes in and out as bf16, converted to and from float32 in the kernel. Measured on a
+# TPU v5e (jax 0.10.2, 115.4M parameters, the update's time against the float32 master's):
+# split+fp16 1.98x with both bitcasts, 1.71x with the codes stored as uint16, 1.31x with the
+# parameter as bf16 too. (Before: a bf16 parameter viewed as its bits in the kernel, a ref
+# bitcast, was no faster than its bitcast outside; XLA's fusion of the bitcasts into the
+# kernel's inputs, Pallas's allow_input_fusion, failed to compile: an internal RET_CHECK in
+# XLA:TPU's rematerialization.)
 
 
 def _call(kind, g, codes, extra, scal, key, split, interpret):
