@@ -998,14 +998,15 @@ def test_pallas_path_trains_as_the_xla_path():
 
 @pytest.mark.parametrize("rounding", ["nearest_away", "truncate"])
 def test_pallas_split_master_bits_are_the_optimizers(rounding):
-    """The kernel's split master (`optim_pallas._join_bits`, `_bf16_bits`, on int32 lanes) is
-    `hifigrad.optim._join` and `round_to_bf16` bit for bit, on random bit patterns and the
+    """The kernel's split master (`optim_pallas._join_bits`, `_bf16_bits`,
+    `_round_to_24_bits`, on int32 lanes) is `hifigrad.optim._join`, `round_to_bf16` and
+    `_round_to_24_bits` bit for bit, on random bit patterns and the
     edges (zeros, infinities, NaNs, ties, the largest finite bf16). Off XLA:CPU the float
     arrays of the reference need not keep a NaN's payload or a subnormal (on a TPU v5e 0.7% of
     the patterns differed, those listed NaNs made canonical and subnormals flushed; as in
     `test_split_master_is_the_float32_master_exactly`): there those are left out."""
     from hifigrad._src import optim_pallas
-    from hifigrad.optim import _join, _split, round_to_bf16
+    from hifigrad.optim import _join, _round_to_24_bits, _split, round_to_bf16
     bits = _sample_bits()
     x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
     special = ((bits & 0x7F800000) == 0x7F800000) & ((bits & 0x7FFFFF) != 0)
@@ -1020,6 +1021,14 @@ def test_pallas_split_master_bits_are_the_optimizers(rounding):
     np.testing.assert_array_equal(
         np.asarray(optim_pallas._bf16_bits(jnp.asarray(bits.view(np.int32)), rounding))[kept],
         _bits_of(round_to_bf16(x, rounding)).astype(np.int32)[kept])
+    # the 24-bit master's stochastic rounding (master="split8"), with random bits
+    r = np.random.default_rng(1).integers(0, 2 ** 32, size=bits.shape, dtype=np.uint64)
+    r = r.astype(np.uint32)
+    np.testing.assert_array_equal(
+        np.asarray(optim_pallas._round_to_24_bits(jnp.asarray(bits.view(np.int32)),
+                                                  jnp.asarray(r.view(np.int32)))
+                   ).view(np.uint32)[kept],
+        _bits(_round_to_24_bits(x, jnp.asarray(r)))[kept])
 
 
 # About 7-10 s each on CPU (interpret mode): the default suite runs one kind per lane, in turn

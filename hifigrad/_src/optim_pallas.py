@@ -101,6 +101,11 @@ def _mix(v):
     return v ^ _srl(v, 16)
 
 
+def _leaf_bits32(pos, key):
+    """`optim_codes.leaf_bits32` of the elements at positions ``pos`` of a leaf (int32)."""
+    return _mix(_mix(pos ^ key) + key)
+
+
 # ------------------------------------------------------------------ codes on int32 lanes
 # Each mirrors the function of optim_codes named in its docstring, operation for operation.
 
@@ -244,6 +249,13 @@ def _join_bits(hi, lo, rounding):
     return jnp.where(rounded_up, (hi << 16) - (0x10000 - lo), plain)
 
 
+def _round_to_24_bits(u, bits):
+    """`hifigrad.optim._round_to_24_bits` on int32 lanes: the float32 bits ``u`` rounded
+    stochastically to their top 24 with the low 8 of ``bits``; inf and NaN kept."""
+    special = (_srl(u, 16) & 0x7F80) == 0x7F80
+    return jnp.where(special, u, (u + (bits & 0xFF)) & _i32(0xFFFFFF00))
+
+
 def _bf16_bits(u, rounding):
     """`hifigrad.optim.round_to_bf16` (``"nearest_away"`` or ``"truncate"``) of the float32
     bits ``u`` on int32 lanes: the bf16's bits."""
@@ -320,7 +332,7 @@ def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
         # `leaf_bits32` of each element's position in the leaf (row-major, wrapping)
         pos = ((row0 + r + lax.broadcasted_iota(jnp.int32, shape, 0)) * last
                + col0 + c * 128 + j)
-        bits = _mix(_mix(pos ^ key) + key)
+        bits = _leaf_bits32(pos, key)
         new_mw = jnp.where(m < 0, sign, 0) | enc(rel_m, bits & 0xFFFF)
         sbit = jnp.where(j < 32, _srl(_bits(new_sc_m), j & 31),
                          jnp.where(j < 64, _srl(_bits(new_sc_s), j & 31), 0)) & 1
@@ -346,12 +358,8 @@ def _kernel(kind, plan, split, key_ref, f_ref, w_ref, *refs):
             full = _float(_join_bits(hi, lo, rounding))
             x = u + wd * full if decay else u
             new = _bits(full + step * x)
-            if split8:
-                # rounded stochastically to its top 24 bits (`hifigrad.optim._round_to_24_bits`
-                # with `leaf_bits32` of the master's own key); inf and NaN kept
-                r = _mix(_mix(pos ^ key_ref[1]) + key_ref[1]) & 0xFF
-                special = (_srl(new, 16) & 0x7F80) == 0x7F80
-                new = jnp.where(special, new, (new + r) & _i32(0xFFFFFF00))
+            if split8:   # rounded with the bits of the master's own key
+                new = _round_to_24_bits(new, _leaf_bits32(pos, key_ref[1]))
                 new_low_ref[rs, cs] = (_srl(new, 8) & 0xFF).astype(new_low_ref.dtype)
             else:
                 new_low_ref[rs, cs] = (new & 0xFFFF).astype(new_low_ref.dtype)
