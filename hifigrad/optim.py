@@ -623,11 +623,12 @@ class AdamState(NamedTuple):
         with ``"4bit"``, one byte per parameter holding the codes of both moments.
       nu: the second moment as stored: float32, bf16, or (``"fp16"``, ``"8bit"``) the codes of
         its square root, whose sign bits hold each block's two scales; empty with ``"4bit"``.
-        A leaf of fewer than 64 elements keeps float32 moments with every setting.
+        A leaf of fewer than ``min_coded_size`` elements (`scale_by_adam`: 4096 by default)
+        keeps float32 moments with every setting.
 
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
-      >>> state = hg.optim.scale_by_adam(moments="fp16").init({"w": jnp.zeros((2, 256))})
+      >>> state = hg.optim.scale_by_adam(moments="fp16").init({"w": jnp.zeros((16, 256))})
       >>> state.mu["w"].dtype, state.nu["w"].dtype    # 2 + 2 bytes, scales included
       (dtype('uint16'), dtype('uint16'))
     """
@@ -657,7 +658,8 @@ def _adam_scalars(count, b1, b2, moments, seed, n):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  moments: str = "float32", seed: int = 0):
+                  moments: str = "float32", seed: int = 0,
+                  min_coded_size: int | None = None):
     """Adam's scaling (as ``optax.scale_by_adam``) with its moments stored compactly.
 
     ``moments="float32"``: as optax (8 bytes per parameter). ``"bf16"``: both moments in
@@ -685,8 +687,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     new scales, once to encode them; on a TPU, once, in a Pallas kernel that gives the same
     bits), so no float32 moment is materialized; this step's update is computed from the new
     moments before they are rounded, and is at least bounded by the step's own
-    ``(1 - b2) * g**2`` in the second moment. Leaves of fewer than 64 elements keep float32
-    moments.
+    ``(1 - b2) * g**2`` in the second moment.
+
+    Leaves of fewer than ``min_coded_size`` elements (4096 by default, as bitsandbytes'
+    ``min_8bit_size`` and torchao's low-bit optimizers: biases and norm scales) keep float32
+    moments: their bytes are a small share of a model's, and each coded leaf is a program of
+    its own for the compiler (about 650 operations after XLA's fusion, against about 80 for a
+    float32 one), so a model of many small leaves compiled about 3x slower than optax's step.
+    A state whose moments were coded (one made with a smaller ``min_coded_size``, or by an
+    earlier version) keeps stepping as stored: each leaf is coded or not as its state is.
 
     Args:
       b1: the first moment's decay rate.
@@ -695,27 +704,37 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       moments: ``"float32"``, ``"bf16"``, ``"fp16"``, ``"8bit"`` or ``"4bit"``.
       seed: the seed of the stochastic rounding's random bits (a counter-based hash: the same
         on every backend).
+      min_coded_size: with ``"fp16"``, ``"8bit"`` or ``"4bit"``, leaves of fewer elements
+        keep float32 moments; None: 4096 (64 at least: a block holds its scales in 64 sign
+        bits). With ``optax.inject_hyperparams``, a number given here must be named in its
+        ``static_args``.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an `AdamState`.
 
     Raises:
-      ValueError: an unknown ``moments``.
+      ValueError: an unknown ``moments``, or a ``min_coded_size`` that is not a non-negative
+        integer.
 
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
       >>> tx = hg.optim.scale_by_adam(moments="8bit")
-      >>> state = tx.init({"w": jnp.zeros((4, 256), jnp.bfloat16)})
+      >>> state = tx.init({"w": jnp.zeros((16, 256), jnp.bfloat16),
+      ...                  "b": jnp.zeros(256, jnp.bfloat16)})
       >>> state.mu["w"].dtype, state.nu["w"].dtype      # one byte each, nothing beside
       (dtype('uint8'), dtype('uint8'))
+      >>> state.mu["b"].dtype                           # fewer than 4096 elements
+      dtype('float32')
     """
     optax = _optax()
     if moments not in _MOMENTS:
         raise ValueError(f"hifigrad.optim.scale_by_adam: moments must be one of {_MOMENTS}; "
                          f"got {moments!r}.")
+    _check_min_coded_size("scale_by_adam", min_coded_size)
+    min_size = _codes.MIN_CODED if min_coded_size is None else int(min_coded_size)
 
     def coded(shape) -> bool:
-        return moments in _codes.KINDS and _codes.layout(shape) is not None
+        return moments in _codes.KINDS and _codes.coded(shape, min_size)
 
     def zeros(p):
         shape = np.shape(p)
@@ -739,8 +758,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         out, new_mu, new_nu = [], [], []
         for i, (g, m, v) in enumerate(zip(leaves, mus, nus)):
             g = jnp.asarray(g, jnp.float32)
-            shape = np.shape(g)
-            if coded(shape):
+            if moments in _codes.KINDS and _codes.is_coded_state(m):   # as the state is
                 # the new codes and this step's direction, from the moments before their
                 # rounding (with the exact v_t >= (1 - b2) g_t**2: an element whose stored
                 # code was rounded to 0 in its block still divides by its own gradient's
@@ -767,7 +785,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-4, mask=None, *, moments: str = "float32", seed: int = 0):
+          weight_decay: float = 1e-4, mask=None, *, moments: str = "float32", seed: int = 0,
+          min_coded_size: int | None = None):
     """AdamW (``optax.adamw``) with its moments stored as `scale_by_adam` says: ``"float32"``,
     ``"bf16"``, or block-coded ``"fp16"``, ``"8bit"`` or ``"4bit"`` (4, 2 or 1 bytes per
     parameter for both moments), all rounded stochastically. Combine it with
@@ -785,6 +804,8 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       mask: which leaves weight decay applies to (as optax's ``mask``).
       moments: ``"float32"``, ``"bf16"``, ``"fp16"``, ``"8bit"`` or ``"4bit"``.
       seed: the seed of the moments' stochastic rounding.
+      min_coded_size: block-coded moments are kept for leaves of this many elements or more
+        (None: 4096); smaller leaves keep float32 moments (`scale_by_adam`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -792,12 +813,14 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     Examples:
       >>> import jax.numpy as jnp, hifigrad as hg
       >>> tx = hg.optim.master_weights(hg.optim.adamw(1e-3, moments="8bit"), master="split8")
-      >>> state = tx.init({"w": jnp.zeros((8, 128), jnp.bfloat16)})
+      >>> state = tx.init({"w": jnp.zeros((32, 128), jnp.bfloat16)})
       >>> state.master["w"].dtype, state.inner[0].mu["w"].dtype   # 1 + 1 + 1 bytes
       (dtype('uint8'), dtype('uint8'))
     """
     optax = _optax()
-    tx = optax.chain(scale_by_adam(b1, b2, eps, moments=moments, seed=seed),
+    _check_min_coded_size("adamw", min_coded_size)
+    tx = optax.chain(scale_by_adam(b1, b2, eps, moments=moments, seed=seed,
+                                   min_coded_size=min_coded_size),
                      optax.add_decayed_weights(weight_decay, mask),
                      optax.scale_by_learning_rate(learning_rate))
     if moments not in _codes.KINDS:
@@ -858,7 +881,7 @@ def _split_adamw_step(spec, grads, old_inner, inner, params, lows, full, updates
     cols = [tree.flatten_up_to(t) for t in (grads, old_adam.mu, old_adam.nu, lows, adam.mu,
                                             adam.nu, stored, updates)]
     for i, (p, g, mu, nu, low, *fallback) in enumerate(zip(leaves, *cols)):
-        if jnp.result_type(p) != jnp.bfloat16 or _codes.layout(np.shape(p)) is None:
+        if jnp.result_type(p) != jnp.bfloat16 or not _codes.is_coded_state(mu):
             continue
         out = _codes.split_leaf_step(moments, jnp.asarray(g, jnp.float32), mu, nu, keys[i],
                                      b1, b2, c1, c2, eps, p, low, step,
@@ -869,6 +892,15 @@ def _split_adamw_step(spec, grads, old_inner, inner, params, lows, full, updates
     new_mu, new_nu, stored, updates = (jax.tree.unflatten(tree, c) for c in cols[4:])
     adam = adam._replace(mu=new_mu, nu=new_nu)
     return updates, stored, (adam, *inner[1:])
+
+
+def _check_min_coded_size(where: str, n) -> None:
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"hifigrad.optim.{where}: min_coded_size must be a non-negative "
+                         f"integer (the fewest elements a leaf's coded moments are kept for; "
+                         f"with optax.inject_hyperparams, name it in static_args); got {n!r}.")
 
 
 def _check_tx(where: str, tx) -> None:

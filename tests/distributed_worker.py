@@ -566,7 +566,8 @@ def case_optimizer_state(report):
     rng = np.random.default_rng(5)
     grads = [{k: jnp.asarray(rng.standard_normal(v.shape) * np.logspace(-6, -1, v.shape[-1]),
                              jnp.float32) for k, v in params.items()} for _ in range(3)]
-    adamw = hg.optim.adamw
+    # coded from 64 elements, the replicated bias's moments too (the default: from 4096)
+    adamw = functools.partial(hg.optim.adamw, min_coded_size=64)
     configs = {
         "split_fp16": hg.optim.master_weights(adamw(1e-3, moments="fp16"), master="split"),
         "split_8bit": hg.optim.master_weights(adamw(1e-3, moments="8bit"), master="split"),

@@ -3,6 +3,7 @@ an independent float32 optax run on float32 parameters, rounded."""
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -15,6 +16,11 @@ from platforms import on_cpu
 import hifigrad as hg
 
 optax = pytest.importorskip("optax")
+
+# The codes' tests use leaves of a few hundred elements: coded from 64 elements here (by
+# default leaves of fewer than 4096 keep float32 moments: test_min_coded_size_*).
+_adamw = functools.partial(hg.optim.adamw, min_coded_size=64)
+_scale_by_adam = functools.partial(hg.optim.scale_by_adam, min_coded_size=64)
 
 STEPS = 12
 
@@ -419,7 +425,7 @@ def _adam_run(tx, steps=20, jit=True):
 
 
 def test_float32_moments_are_optax_adam():
-    got, _ = _adam_run(hg.optim.scale_by_adam(0.9, 0.999, 1e-8))
+    got, _ = _adam_run(_scale_by_adam(0.9, 0.999, 1e-8))
     with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
         want, _ = _adam_run(optax.scale_by_adam(0.9, 0.999, 1e-8))
     # the updates are O(1) quotients; the two associate the bias correction differently, each
@@ -457,8 +463,8 @@ def test_compact_moments_stay_close_to_float32(moments, jit):
     for the first, sqrt(20) = 4.5 for the second, halved through its square root):
     norm-wise, within 5 half-spacings. The 4-bit code: see `_HALF_STEP`. (Eagerly for one
     block code and bf16: the block codes share their code path.)"""
-    ref, _ = _adam_run(hg.optim.scale_by_adam())
-    got, state = _adam_run(hg.optim.scale_by_adam(moments=moments, seed=3), jit=jit)
+    ref, _ = _adam_run(_scale_by_adam())
+    got, state = _adam_run(_scale_by_adam(moments=moments, seed=3), jit=jit)
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"{moments}: the update's error is {err:.4f} of its norm")   # (the guide's figures)
     assert err < _update_error_bound(moments), err
@@ -520,10 +526,78 @@ def test_block_layout(shape, block):
     lay = layout(shape)
     if block is None:
         assert lay is None
-        state = hg.optim.scale_by_adam(moments="8bit").init({"w": jnp.zeros(shape)})
+        state = _scale_by_adam(moments="8bit").init({"w": jnp.zeros(shape)})
         assert state.mu["w"].dtype == jnp.float32
     else:
         assert lay.block == block and lay.nb * block * int(np.prod(lay.lead)) == np.prod(shape)
+
+
+@pytest.mark.parametrize("moments", _CODED)
+def test_min_coded_size_keeps_small_leaves_float32(moments):
+    """Issue 49, item 6: by default a leaf of fewer than 4096 elements keeps float32 moments
+    (bitsandbytes' ``min_8bit_size``, torchao's threshold): each coded leaf is a program of its
+    own for XLA, and a model's biases and norm scales made its step compile about 3x slower
+    than optax's. Those leaves step as ``moments="float32"`` does, bit for bit; 4096 elements
+    and more are coded; ``min_coded_size`` moves the threshold (not below 64)."""
+    shapes = {"b": (4095,), "n": (15, 256), "w": (16, 256), "v": (4096,)}
+    tx = hg.optim.scale_by_adam(moments=moments)
+    state = tx.init({k: jnp.zeros(s) for k, s in shapes.items()})
+    coded = {k: state.mu[k].dtype != jnp.float32 for k in shapes}
+    assert coded == {"b": False, "n": False, "w": True, "v": True}, coded
+    small = hg.optim.scale_by_adam(moments=moments, min_coded_size=256).init(
+        {"b": jnp.zeros(256), "c": jnp.zeros(255), "t": jnp.zeros(8)})
+    assert small.mu["b"].dtype != jnp.float32 and small.mu["c"].dtype == jnp.float32
+    assert hg.optim.scale_by_adam(moments=moments, min_coded_size=0).init(
+        {"t": jnp.zeros(63)}).mu["t"].dtype == jnp.float32          # no block of 64 there
+    # the float32 leaves' updates and moments: float32 moments' own
+    p = {"b": jnp.zeros((15, 256))}
+    ref, got = hg.optim.scale_by_adam(), tx
+    s_ref, s_got = ref.init(p), got.init(p)
+    for i in range(3):
+        g = {"b": jnp.asarray(np.random.default_rng(i).normal(size=(15, 256)), jnp.float32)}
+        u_ref, s_ref = jax.jit(ref.update)(g, s_ref, p)
+        u_got, s_got = jax.jit(got.update)(g, s_got, p)
+        np.testing.assert_array_equal(np.asarray(u_got["b"]), np.asarray(u_ref["b"]))
+        np.testing.assert_array_equal(np.asarray(s_got.nu["b"]), np.asarray(s_ref.nu["b"]))
+
+
+@pytest.mark.parametrize("master", ["sr", "split"])
+def test_a_state_coded_below_min_coded_size_steps_as_stored(master):
+    """A state whose small leaves were coded (``min_coded_size=64``, or version 0.1's default)
+    steps under a default-built optimizer as under the one that made it, bit for bit: each
+    leaf is coded or not as its state is stored."""
+    def make(**kw):
+        inner = hg.optim.adamw(1e-3, moments="8bit", **kw)
+        if master == "sr":
+            return hg.optim.stochastic_rounding(inner, seed=2)
+        return hg.optim.master_weights(inner, master="split")
+    rng = np.random.default_rng(0)
+    p0 = {"b": jnp.asarray(rng.normal(size=256) * 0.1, jnp.bfloat16),
+          "w": jnp.asarray(rng.normal(size=(16, 256)) * 0.1, jnp.bfloat16)}
+    made, default = make(min_coded_size=64), make()
+    outs = []
+    for tx in (made, default):
+        p, state = p0, made.init(p0)
+        step = jax.jit(_step(tx))
+        for i in range(3):
+            g = jax.tree.map(lambda x, i=i: jnp.asarray(
+                np.random.default_rng(i).normal(size=x.shape), jnp.float32), p0)
+            p, state = step(p, state, g)
+        outs.append((p, state))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
+    assert outs[1][1].inner[0].mu["b"].dtype == jnp.uint8       # still codes
+    assert default.init(p0).inner[0].mu["b"].dtype == jnp.float32   # a fresh state: float32
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "4096"])
+def test_min_coded_size_is_checked(bad):
+    for make in (hg.optim.adamw, hg.optim.scale_by_adam):
+        kw = {"learning_rate": 1e-3} if make is hg.optim.adamw else {}
+        with pytest.raises(ValueError, match="min_coded_size must be a non-negative integer"):
+            make(moments="8bit", min_coded_size=bad, **kw)
 
 
 @pytest.mark.parametrize("moments", _CODED)
@@ -536,7 +610,7 @@ def test_stored_moments_are_the_new_moments_rounded(moments):
     shape = (16, 4, 32)          # blocks of 128 across the last two axes
     g = jnp.asarray(np.random.default_rng(1).normal(size=shape) *
                     np.logspace(-2, 0, 32), jnp.float32)
-    tx = hg.optim.scale_by_adam(moments=moments)
+    tx = _scale_by_adam(moments=moments)
     _, state = jax.jit(tx.update)({"w": g}, tx.init({"w": g}))
     m, s = (np.asarray(a) for a in decode(moments, state.mu["w"], state.nu["w"], shape))
     g32 = np.asarray(g)   # the reference in float32, as the step computes it
@@ -588,7 +662,7 @@ def test_update_materializes_no_float32_moment(moments):
     recomputes the moments elementwise where it needs them (memory_analysis, compile only)."""
     params = {"w": jnp.zeros((256, 1024), jnp.float32)}
     grads = {"w": jnp.zeros((256, 1024), jnp.float32)}
-    _, temp = _compiled_memory(hg.optim.scale_by_adam(moments=moments), params, grads,
+    _, temp = _compiled_memory(_scale_by_adam(moments=moments), params, grads,
                                step=False)
     assert temp < 4, temp
 
@@ -657,10 +731,10 @@ def test_a_kernel_leaf_lowers_to_the_kernel_on_a_tpu_only(moments):
 
 def test_unknown_moments_is_an_error():
     with pytest.raises(ValueError, match="moments must be one of"):
-        hg.optim.scale_by_adam(moments="fp8")
+        _scale_by_adam(moments="fp8")
 
 
-_A = hg.optim.adamw
+_A = _adamw
 CONFIGS = {  # name: (transformation, bytes per bf16 parameter, the parameter included)
     "f32-master": (lambda: hg.optim.master_weights(optax.adamw(1e-3)), 14),
     "split": (lambda: hg.optim.master_weights(optax.adamw(1e-3), master="split"), 12),
@@ -815,7 +889,7 @@ def test_leaves_of_one_shape_share_their_compiled_kernels(moments):
     shape has the distinct large kernels of one or two leaves, not of six."""
     import re
 
-    tx = hg.optim.stochastic_rounding(hg.optim.adamw(1e-3, moments=moments))
+    tx = hg.optim.stochastic_rounding(_adamw(1e-3, moments=moments))
 
     def kernels(n):
         params = {f"p{i}": jnp.zeros((64, 256), jnp.bfloat16) for i in range(n)}
@@ -852,7 +926,7 @@ def test_inject_hyperparams_equals_the_plain_optimizer(moments):
     arithmetic is exact (1 - b1 and 1 - b2 computed in float32 or in Python give one value)."""
     hyper = dict(learning_rate=2.0 ** -10, b1=0.875, b2=1 - 2.0 ** -7, eps=2.0 ** -20,
                  weight_decay=2.0 ** -4, moments=moments, seed=3)
-    plain = hg.optim.stochastic_rounding(hg.optim.adamw(**hyper), seed=5)
+    plain = hg.optim.stochastic_rounding(_adamw(**hyper), seed=5)
     injected = hg.optim.stochastic_rounding(
         optax.inject_hyperparams(hg.optim.adamw, static_args=("moments",))(**hyper), seed=5)
     rng = np.random.default_rng(4)
@@ -953,7 +1027,7 @@ def test_fp16_state_saved_as_float16_steps_as_uint16(mode):
         pytest.skip("Pallas is not available in this jax")
     rng = np.random.default_rng(2)
     p0 = {"w": jnp.asarray(rng.normal(size=(8, 256)) * 0.1, jnp.float32)}
-    tx = hg.optim.adamw(1e-2, moments="fp16")
+    tx = _adamw(1e-2, moments="fp16")
     g = {"w": jnp.asarray(rng.normal(size=(8, 256)) * 1e-2, jnp.float32)}
     with codes.kernel(mode):
         state = jax.jit(tx.update)(g, tx.init(p0), p0)[1]   # nonzero codes
@@ -989,7 +1063,7 @@ def test_pallas_path_trains_as_the_xla_path():
     for moments in _CODED:
         out = []
         for m in ("xla", mode):
-            tx = hg.optim.stochastic_rounding(hg.optim.adamw(1e-2, moments=moments), seed=1)
+            tx = hg.optim.stochastic_rounding(_adamw(1e-2, moments=moments), seed=1)
             with codes.kernel(m):   # read when the step is traced, in `_train`
                 out.append(_train(tx, p0, 3, 20))
         for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
@@ -1076,7 +1150,7 @@ def test_pallas_split_master_trains_as_the_unfused_update(master, kind, variant,
         lr, rounding, mask = 3e-2, "truncate", None
 
     def make():
-        return hg.optim.master_weights(hg.optim.adamw(lr, weight_decay=0.1, mask=mask,
+        return hg.optim.master_weights(_adamw(lr, weight_decay=0.1, mask=mask,
                                                       moments=kind),
                                        master=master, param_rounding=rounding, seed=4)
 

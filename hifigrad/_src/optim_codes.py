@@ -21,8 +21,8 @@ shortens that element's step.
 (row-major order) within its trailing axes: the fewest trailing axes holding 64 elements or
 more (a last axis of 64 or more: that axis alone), ``B`` = 128 where it divides their size,
 else the divisor of their size in [64, 256] nearest 128, else their whole size. A parameter
-sharded along a leading axis keeps its blocks on one device. Smaller leaves keep float32
-moments (their bytes are negligible).
+sharded along a leading axis keeps its blocks on one device. Smaller leaves, and by default
+leaves of fewer than 4096 elements (`coded`), keep float32 moments.
 
 **Scales in the sign bits.** ``s`` is never negative: its code's sign bit is free. In each
 block, element ``j < 32`` holds bit ``j`` of the block's scale of ``m`` there, and element
@@ -67,6 +67,7 @@ from .codecs import _mix32
 
 MIN_BLOCK = 64   # a block holds its two float32 scales' 64 bits
 BLOCK = 128
+MIN_CODED = 4096   # the default fewest elements of a leaf with coded moments (`coded`)
 KINDS = ("fp16", "8bit", "4bit")
 
 
@@ -91,6 +92,21 @@ def layout(shape) -> Layout | None:
         divisors = [d for d in range(MIN_BLOCK, 2 * BLOCK + 1) if size % d == 0]
         block = min(divisors, key=lambda d: (abs(d - BLOCK), d)) if divisors else size
     return Layout(shape[:-k], size // block, block)
+
+
+def coded(shape, min_size: int = MIN_CODED) -> bool:
+    """Whether a fresh state codes the moments of a leaf of this shape: ``min_size`` elements
+    or more (and 64 at least, `layout`). Smaller leaves keep float32 moments: a share of a
+    model's bytes too small to matter, and each coded leaf is a program of its own for the
+    compiler (about 650 operations after XLA's fusion, against about 80 for float32 moments),
+    so a model of many biases and norm scales would compile several times slower."""
+    return int(np.prod(shape, dtype=np.int64)) >= min_size and layout(shape) is not None
+
+
+def is_coded_state(stored) -> bool:
+    """Whether a state leaf holds block codes (uint8, uint16, or a float16 first moment saved
+    by 0.1.0), not float32 or bf16 moments: a step codes a leaf as its state is stored."""
+    return jnp.result_type(stored) in (jnp.uint8, jnp.uint16, jnp.float16)
 
 
 def _view(lay: Layout, split: bool) -> tuple[int, int]:
