@@ -67,6 +67,7 @@ compile column is then each one's time among the others)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -445,6 +446,10 @@ def main(argv=None):
     ap.add_argument("--models", default="demo,lm1b")
     ap.add_argument("--configs", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--keep", default="",
+                    help="an earlier optim_cpu.json (the same steps and models): the runs of "
+                         "the configurations not in --configs are taken from it, so that a "
+                         "change to some configurations reruns only those")
     ap.add_argument("--update-cost", action="store_true",
                     help="measure the optimizer update alone (time ratios, memory)")
     ap.add_argument("--update-params", type=float, default=33.6e6,
@@ -468,12 +473,25 @@ def main(argv=None):
     names = [c for c in configs(LR) if not args.configs or c in args.configs.split(",")]
     result = {"env": env_info(sys.argv if argv is None else argv), "steps": args.steps,
               "late_steps": args.late_steps, "late_lr": LATE_LR, "models": {}}
+    kept = {}
+    if args.keep:
+        with open(args.keep) as f:
+            old = json.load(f)
+        if (old["steps"], old["late_steps"], old["late_lr"]) != (args.steps, args.late_steps,
+                                                                 LATE_LR):
+            raise SystemExit(f"--keep {args.keep}: its steps differ from this run's")
+        kept = old["models"]
+        result["kept_from"] = {"file": os.path.relpath(args.keep),
+                               "env": old.get("kept_from", {}).get("env", old["env"])}
     with jax.numpy_dtype_promotion("standard"):
         for model in args.models.split(","):
             length = MODELS[model](0)[2]
             val_batches = [jnp.asarray(b) for b in
                            D.sample_batches(corpus.val, 4, BATCH, length, 12345)]
             runs = {}
+            for config in configs(LR):   # the kept runs, in the table's order
+                if config not in names and config in kept.get(model, {}):
+                    runs[config] = kept[model][config]
             for config in names:
                 seeds = range(args.seeds) if config == "f32-master" else range(1)
                 runs[config] = []
@@ -485,7 +503,7 @@ def main(argv=None):
                           f"{r['val']:.4f} (late gain {r['late_gain']:+.4f}, moved "
                           f"{r['moved']:.3f}) {r['bytes_per_param']:.2f} B/param "
                           f"({r['train_s']:.0f} s)", flush=True)
-            result["models"][model] = runs
+            result["models"][model] = {c: runs[c] for c in configs(LR) if c in runs}
             write(result, args.out)   # after each model: a partial result survives
 
 
@@ -567,6 +585,11 @@ def write(result, out_dir):
     plot(result, os.path.join(out_dir, "optim_curves.png"))
     lines += ["![loss curves](optim_curves.png)", ""]
     lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
+    if "kept_from" in result:
+        kept = result["kept_from"]
+        lines += [f"The configurations this run left out (`--keep {kept['file']}`) are that "
+                  "earlier run's: " + ", ".join(f"{k} {v}" for k, v in kept["env"].items()),
+                  ""]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines))
     print("wrote", base + ".md")
