@@ -11,7 +11,8 @@ and state donated), and the same for the update alone (``tx.update`` and
 ``jax.grad`` and ``optax.adamw`` on the bf16 parameters; the others take ``hg.grad``'s
 float32 gradients.
 
-Run from the repository root (about 5 minutes on 2 CPU cores: three runs, each in a fresh process, the least of each time kept)::
+Run from the repository root (about 5 minutes on 2 CPU cores: three runs, each in a fresh
+process, the least of each time kept)::
 
     PYTHONPATH=. python benchmarks/optim_compile.py
 
