@@ -237,13 +237,19 @@ def _scale_weights():
     return jnp.where((j < 64) & (j // 16 == n // 128), power, 0.0).astype(jnp.bfloat16)
 
 
+def _special(hi):
+    """`hifigrad.optim._special` on int32 lanes: whether a bf16's bits ``hi`` (a float32's
+    top half) are inf or NaN."""
+    return (hi & 0x7F80) == 0x7F80
+
+
 def _join_bits(hi, lo, rounding):
     """`hifigrad.optim._join` on int32 lanes: the float32 master's bits from its bf16
     parameter's bits ``hi`` and its low half ``lo`` (each in [0, 2**16))."""
     plain = (hi << 16) | lo
     if rounding == "truncate":
         return plain
-    special = (hi & 0x7F80) == 0x7F80
+    special = _special(hi)
     inf = special & ((hi & 0x7F) == 0)
     rounded_up = (lo >= 0x8000) & (jnp.logical_not(special) | inf)
     return jnp.where(rounded_up, (hi << 16) - (0x10000 - lo), plain)
@@ -252,15 +258,14 @@ def _join_bits(hi, lo, rounding):
 def _round_to_24_bits(u, bits):
     """`hifigrad.optim._round_to_24_bits` on int32 lanes: the float32 bits ``u`` rounded
     stochastically to their top 24 with the low 8 of ``bits``; inf and NaN kept."""
-    special = (_srl(u, 16) & 0x7F80) == 0x7F80
-    return jnp.where(special, u, (u + (bits & 0xFF)) & _i32(0xFFFFFF00))
+    return jnp.where(_special(_srl(u, 16)), u, (u + (bits & 0xFF)) & _i32(0xFFFFFF00))
 
 
 def _bf16_bits(u, rounding):
     """`hifigrad.optim.round_to_bf16` (``"nearest_away"`` or ``"truncate"``) of the float32
     bits ``u`` on int32 lanes: the bf16's bits."""
     hi, lo = _srl(u, 16), u & 0xFFFF
-    special = (hi & 0x7F80) == 0x7F80
+    special = _special(hi)
     nan_kept = jnp.where(special & ((hi & 0x7F) == 0) & (lo != 0), hi | 0x40, hi)
     if rounding == "truncate":
         return nan_kept
